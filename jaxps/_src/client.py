@@ -1,0 +1,137 @@
+"""gRPC client of one summation server, with deadlines and safe retries."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import grpc
+
+from jaxps._src import errors
+from jaxps.servers import _wire
+from jaxps.servers import jaxps_pb2 as pb
+from jaxps.servers import jaxps_pb2_grpc as pb_grpc
+from jaxps.servers._server import channel_options
+
+#: Attempts for a call that fails with UNAVAILABLE (a push is deduplicated by
+#: the server, so retrying it is safe).
+RETRIES = 4
+
+_REJECTED = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.OUT_OF_RANGE,
+}
+
+
+class ServerClient:
+    """Talks to one server: hello, push and pull, each with a deadline."""
+
+    def __init__(self, address: str, *, max_message_bytes: int,
+                 timeout: float):
+        self.address = address
+        self.timeout = timeout
+        options = channel_options(max_message_bytes) + [
+            ("grpc.max_reconnect_backoff_ms", 1000),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.enable_retries", 0),
+        ]
+        self._channel = grpc.insecure_channel(address, options=options)
+        self._stub = pb_grpc.SummationStub(self._channel)
+        self.incarnation: str | None = None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def hello(self, *, job_id: str, rank: int, num_workers: int) -> str:
+        """Waits up to `timeout` for the server; checks job and size."""
+        request = pb.HelloRequest(
+            version=_wire.PROTOCOL_VERSION, job_id=job_id, rank=rank,
+            num_workers=num_workers)
+        try:
+            reply = self._stub.Hello(request, timeout=self.timeout,
+                                     wait_for_ready=True)
+        except grpc.RpcError as err:
+            if err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED,
+                              grpc.StatusCode.UNAVAILABLE):
+                raise errors.ServerUnavailableError(
+                    f"server {self.address} did not answer within "
+                    f"{self.timeout:g} s (rank {rank}, job {job_id!r}): is "
+                    "jaxps-server running there?") from None
+            raise self.translate(err, "hello") from None
+        self.incarnation = reply.incarnation
+        return reply.incarnation
+
+    def push(self, header: pb.Header, payload: bytes, checksum: int,
+             deadline: float) -> None:
+        """Pushes one chunk; retries UNAVAILABLE until `deadline`."""
+        request = pb.PushRequest(header=header, payload=payload,
+                                 checksum=checksum)
+        reply = self._call(self._stub.Push, request, deadline, header, "push")
+        self._check_incarnation(reply.incarnation, header)
+
+    def pull_future(self, header: pb.Header, deadline: float):
+        """Starts a pull; returns a grpc future of the PullReply."""
+        request = pb.PullRequest(header=header)
+        return self._stub.Pull.future(
+            request, timeout=max(0.01, deadline - time.monotonic()))
+
+    def pull(self, header: pb.Header, deadline: float) -> bytes:
+        """Pulls one chunk's sum, blocking; retries UNAVAILABLE."""
+        request = pb.PullRequest(header=header)
+        reply = self._call(self._stub.Pull, request, deadline, header, "pull")
+        self._check_incarnation(reply.incarnation, header)
+        return reply.payload
+
+    def _call(self, method, request, deadline, header, what):
+        attempt = 0
+        while True:
+            attempt += 1
+            remaining = deadline - time.monotonic()
+            try:
+                return method(request, timeout=max(0.01, remaining))
+            except grpc.RpcError as err:
+                retry = (err.code() == grpc.StatusCode.UNAVAILABLE
+                         and attempt < RETRIES
+                         and deadline - time.monotonic() > 0.2)
+                if not retry:
+                    raise self.translate(err, what, header) from None
+            time.sleep(min(1.0, 0.05 * 2**attempt) * random.uniform(0.5, 1.5))
+
+    def check_reply(self, reply, header: pb.Header) -> None:
+        self._check_incarnation(reply.incarnation, header)
+
+    def _check_incarnation(self, incarnation: str, header) -> None:
+        if self.incarnation is not None and incarnation != self.incarnation:
+            raise errors.ServerRestartedError(
+                f"server {self.address} restarted during the job (while "
+                f"serving {header.name or header.key} round {header.round}) "
+                "and lost its rounds; restart the job.")
+
+    def translate(self, err: grpc.RpcError, what: str,
+                  header: pb.Header | None = None) -> errors.JaxpsError:
+        """Turns a grpc error into the matching jaxps error."""
+        code, details = err.code(), err.details() or ""
+        where = f"server {self.address}"
+        if header is not None:
+            label = header.name or f"key {header.key}"
+            where += f" ({what} of {label} round {header.round})"
+        else:
+            where += f" ({what})"
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            if details and details != "Deadline Exceeded":
+                return errors.RoundTimeoutError(f"{where}: {details}")
+            return errors.RoundTimeoutError(
+                f"{where}: no answer within the deadline ({self.timeout:g} s "
+                "timeout); a worker or the server is stuck or gone.")
+        if code in _REJECTED:
+            return errors.RequestRejectedError(
+                f"{where} rejected the request ({code.name}): {details}")
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+            return errors.ServerUnavailableError(
+                f"{where} is unavailable ({code.name}): {details}")
+        return errors.JaxpsError(f"{where} failed ({code.name}): {details}")

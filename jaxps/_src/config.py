@@ -1,0 +1,139 @@
+"""The one configuration object of a jaxps worker.
+
+Every field is resolved in this order: the explicit argument, then the
+``JAXPS_*`` environment variable, then the default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from jaxps._src import errors
+
+DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024
+
+#: Field name -> environment variable.
+ENV = {
+    "servers": "JAXPS_SERVERS",
+    "num_workers": "JAXPS_NUM_WORKERS",
+    "worker_rank": "JAXPS_WORKER_RANK",
+    "job_id": "JAXPS_JOB_ID",
+    "partition_bytes": "JAXPS_PARTITION_BYTES",
+    "timeout": "JAXPS_TIMEOUT",
+    "credit_bytes": "JAXPS_CREDIT_BYTES",
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """Settings of a jaxps worker.
+
+    Attributes:
+      servers: ``host:port`` of every summation server. Empty with one worker
+        means no communication at all.
+      num_workers: number of worker processes in the job.
+      worker_rank: this worker's rank in ``[0, num_workers)``.
+      job_id: a name shared by the job's workers and servers.
+      partition_bytes: tensors are cut into chunks of at most this many bytes.
+      timeout: seconds any wait may take (connect, a round, a pull) before it
+        fails naming what it waited for.
+      credit_bytes: bytes in flight per server (pushed and not yet pulled).
+    """
+
+    servers: tuple[str, ...] = ()
+    num_workers: int = 1
+    worker_rank: int = 0
+    job_id: str = "jaxps"
+    partition_bytes: int = DEFAULT_PARTITION_BYTES
+    timeout: float = 60.0
+    credit_bytes: int = 4 * DEFAULT_PARTITION_BYTES
+
+    def __post_init__(self):
+        _check_int("num_workers", self.num_workers, low=1)
+        _check_int("worker_rank", self.worker_rank, low=0)
+        if self.worker_rank >= self.num_workers:
+            raise errors.ConfigError(
+                f"worker_rank must be in [0, num_workers={self.num_workers}). "
+                f"Got worker_rank={self.worker_rank}.")
+        _check_int("partition_bytes", self.partition_bytes, low=8)
+        _check_int("credit_bytes", self.credit_bytes, low=1)
+        if not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
+            raise errors.ConfigError(
+                f"timeout must be a positive number of seconds. Got "
+                f"timeout={self.timeout!r} of type {type(self.timeout)}.")
+        if not isinstance(self.job_id, str) or not self.job_id:
+            raise errors.ConfigError(
+                f"job_id must be a non-empty string. Got job_id="
+                f"{self.job_id!r}.")
+        for server in self.servers:
+            _check_address(server)
+        if len(set(self.servers)) != len(self.servers):
+            raise errors.ConfigError(
+                f"servers lists an address twice: {list(self.servers)}.")
+        if not self.servers and self.num_workers > 1:
+            raise errors.ConfigError(
+                f"num_workers={self.num_workers} needs summation servers: "
+                "pass servers=['host:port', ...] or set JAXPS_SERVERS (or "
+                "start the job with jaxps-launch).")
+
+    @classmethod
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, **overrides: Any
+    ) -> Config:
+        """Builds a Config from `overrides`, then `env` (default os.environ).
+
+        Arguments that are ``None`` fall through to the environment.
+        """
+        env = os.environ if env is None else env
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise errors.ConfigError(
+                f"unknown jaxps setting(s) {sorted(unknown)}; known: "
+                f"{sorted(f.name for f in dataclasses.fields(cls))}.")
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            value = overrides.get(field.name)
+            if value is None and ENV.get(field.name) in env:
+                value = _parse(field.name, env[ENV[field.name]])
+            if value is not None:
+                if field.name == "servers":
+                    value = _servers(value)
+                values[field.name] = value
+        return cls(**values)
+
+
+def _servers(value) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = value.split(",")
+    return tuple(s.strip() for s in value if s.strip())
+
+
+def _parse(name: str, text: str) -> Any:
+    var = ENV[name]
+    if name in ("servers", "job_id"):
+        return text
+    try:
+        if name == "timeout":
+            return float(text)
+        return int(text)
+    except ValueError:
+        raise errors.ConfigError(
+            f"{var} must be a number. Got {var}={text!r}.") from None
+
+
+def _check_int(name: str, value: Any, *, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise errors.ConfigError(
+            f"{name} must be an int >= {low}. Got {name}={value!r} of type "
+            f"{type(value).__name__}.")
+
+
+def _check_address(server: str) -> None:
+    host, sep, port = server.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise errors.ConfigError(
+            f"server address must be host:port with a port in [1, 65535]. "
+            f"Got {server!r}.")

@@ -1,0 +1,387 @@
+"""The worker runtime: chunks tensors, pushes and pulls them, reassembles.
+
+Each server has a lane: a priority queue of chunks, sender threads that push
+them, and a credit bound on the bytes pushed but not yet pulled. A push that
+the server acknowledged is followed at once by an asynchronous pull, whose
+callback writes the sum into the output array.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxps._src import errors, topology
+from jaxps._src.client import ServerClient
+from jaxps._src.config import Config
+from jaxps.servers import _wire
+from jaxps.servers import jaxps_pb2 as pb
+
+_FINGERPRINT_BYTES = 4096
+_STOP = object()
+
+
+def fingerprint(payload: bytes) -> int:
+    """crc32 of a payload's first and last 4 KiB and its length."""
+    if len(payload) > 2 * _FINGERPRINT_BYTES:
+        view = memoryview(payload)
+        head = _wire.checksum(view[:_FINGERPRINT_BYTES])
+        return _wire.checksum(view[-_FINGERPRINT_BYTES:]) ^ head ^ len(payload)
+    return _wire.checksum(payload)
+
+
+class Handle:
+    """The result of `Runtime.push_pull_async`; `wait()` returns the sums."""
+
+    def __init__(self, names, outs, shapes, pending, release, timeout):
+        self.names = names
+        self._outs = outs
+        self._shapes = shapes
+        self._pending = pending
+        self._release = release
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+        self._missing: dict[str, set[int]] = {}
+        if pending == 0:
+            self._finish()
+
+    def _finish(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+        self._event.set()
+
+    def chunk_done(self) -> None:
+        with self._lock:
+            self._pending -= 1
+            last = self._pending == 0
+        if last:
+            self._finish()
+
+    def fail(self, err: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = err
+        self._finish()
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> list[np.ndarray]:
+        """Blocks until all chunks are back; raises the first error."""
+        timeout = self._timeout if timeout is None else timeout
+        if not self._event.wait(timeout):
+            raise errors.RoundTimeoutError(
+                f"push_pull of {self.names} did not finish within "
+                f"{timeout:g} s ({self._pending} chunk(s) outstanding).")
+        if self._error is not None:
+            raise self._error
+        return [o.reshape(s) for o, s in zip(self._outs, self._shapes)]
+
+
+class _Chunk:
+    __slots__ = ("handle", "source", "dest", "header", "divisor", "nbytes",
+                 "lane")
+
+    def __init__(self, handle, source, dest, header, divisor, lane):
+        self.handle = handle
+        self.source = source
+        self.dest = dest
+        self.header = header
+        self.divisor = divisor
+        self.nbytes = source.nbytes
+        self.lane = lane
+
+
+class _Lane:
+    """The queue, credit and sender threads of one server."""
+
+    def __init__(self, client: ServerClient, credit: int, senders: int):
+        self.client = client
+        self.credit = credit
+        self.in_flight = 0
+        self._cv = threading.Condition()
+        self.queue: queue.PriorityQueue = queue.PriorityQueue()
+        self.threads = [
+            threading.Thread(target=self._send_loop, daemon=True,
+                             name=f"jaxps-send-{client.address}-{i}")
+            for i in range(senders)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def acquire(self, nbytes: int, deadline: float, label: str) -> None:
+        with self._cv:
+            while self.in_flight > 0 and self.in_flight + nbytes > self.credit:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise errors.RoundTimeoutError(
+                        f"{label}: no credit to push to server "
+                        f"{self.client.address} for {self.client.timeout:g} s "
+                        f"({self.in_flight} bytes in flight).")
+                self._cv.wait(remaining)
+            self.in_flight += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._cv:
+            self.in_flight -= nbytes
+            self._cv.notify_all()
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self.queue.get()
+            chunk = item[-1]
+            if chunk is _STOP:
+                return
+            if chunk.handle.failed:
+                continue
+            self._send(chunk)
+
+    def _send(self, chunk: _Chunk) -> None:
+        timeout = self.client.timeout
+        h = chunk.header
+        label = f"push_pull of {h.name} round {h.round}"
+        try:
+            self.acquire(chunk.nbytes, time.monotonic() + timeout, label)
+        except errors.JaxpsError as err:
+            chunk.handle.fail(err)
+            return
+        try:
+            payload = chunk.source.tobytes()
+            self.client.push(h, payload, fingerprint(payload),
+                             time.monotonic() + timeout)
+            future = self.client.pull_future(
+                h, time.monotonic() + pull_deadline(timeout))
+        except errors.JaxpsError as err:
+            self.release(chunk.nbytes)
+            chunk.handle.fail(err)
+            return
+        future.add_done_callback(lambda f: self._pulled(chunk, f))
+
+    def _pulled(self, chunk: _Chunk, future) -> None:
+        try:
+            try:
+                reply = future.result()
+                self.client.check_reply(reply, chunk.header)
+                payload = reply.payload
+            except Exception as err:  # noqa: BLE001 - grpc.RpcError mostly
+                payload = self._retry_pull(chunk, err)
+            data = np.frombuffer(payload, dtype=chunk.dest.dtype)
+            if data.size != chunk.dest.size:
+                raise errors.RequestRejectedError(
+                    f"server {self.client.address} answered "
+                    f"{chunk.header.name} round {chunk.header.round} with "
+                    f"{data.size} elements, expected {chunk.dest.size}.")
+            if chunk.divisor is None:
+                chunk.dest[...] = data
+            else:
+                np.divide(data, chunk.divisor, out=chunk.dest)
+        except BaseException as err:  # noqa: BLE001 - reported to the waiter
+            chunk.handle.fail(err)
+        else:
+            chunk.handle.chunk_done()
+        finally:
+            self.release(chunk.nbytes)
+
+    def _retry_pull(self, chunk: _Chunk, err: BaseException) -> bytes:
+        import grpc
+
+        if not isinstance(err, grpc.RpcError):
+            raise err
+        if err.code() != grpc.StatusCode.UNAVAILABLE:
+            raise self.client.translate(err, "pull", chunk.header) from None
+        deadline = time.monotonic() + pull_deadline(self.client.timeout)
+        return self.client.pull(chunk.header, deadline)
+
+    def stop(self) -> None:
+        for _ in self.threads:
+            self.queue.put((float("inf"), 0, _STOP))
+        for t in self.threads:
+            t.join(timeout=5)
+        self.client.close()
+
+
+def pull_deadline(timeout: float) -> float:
+    """Client deadline of a pull: past the server's round timeout, so the
+    server's message naming the missing ranks arrives first."""
+    return 1.25 * timeout + 2.0
+
+
+class Runtime:
+    """Connects to the servers and runs push_pull for one worker.
+
+    Args:
+      config: the worker's settings.
+      senders_per_server: threads pushing to each server.
+    """
+
+    def __init__(self, config: Config, *, senders_per_server: int = 2):
+        self.config = config
+        self._lock = threading.Lock()
+        self._rounds: dict[str, int] = {}
+        self._in_flight: set[str] = set()
+        self._seq = itertools.count()
+        self._plans: dict = {}
+        self._lanes: list[_Lane] = []
+        self.weights = [1.0] * len(config.servers)
+        max_message = config.partition_bytes + _wire.MESSAGE_OVERHEAD
+        clients = [
+            ServerClient(s, max_message_bytes=max_message,
+                         timeout=config.timeout)
+            for s in config.servers
+        ]
+        try:
+            for c in clients:
+                c.hello(job_id=config.job_id, rank=config.worker_rank,
+                        num_workers=config.num_workers)
+        except BaseException:
+            for c in clients:
+                c.close()
+            raise
+        credit = max(config.credit_bytes, config.partition_bytes)
+        self._lanes = [_Lane(c, credit, senders_per_server) for c in clients]
+
+    @property
+    def rank(self) -> int:
+        return self.config.worker_rank
+
+    @property
+    def size(self) -> int:
+        return self.config.num_workers
+
+    def push_pull_async(
+        self,
+        names: Sequence[str],
+        arrays: Sequence[np.ndarray],
+        *,
+        average: bool = True,
+        priorities: Sequence[int] | None = None,
+    ) -> Handle:
+        """Starts summing `arrays` over all workers; returns a `Handle`.
+
+        Args:
+          names: one unique name per array, the same on every worker.
+          arrays: numpy arrays of a supported dtype.
+          average: divide the sums by the number of workers.
+          priorities: higher goes out first (default: earlier names first).
+        """
+        if len(names) != len(arrays):
+            raise ValueError(f"got {len(names)} names for {len(arrays)} "
+                             "arrays.")
+        if len(set(names)) != len(names):
+            raise ValueError(f"tensor names must be unique, got {names}.")
+        flats, dtypes = [], []
+        for name, array in zip(names, arrays):
+            array = np.asarray(array)
+            code = _check_array(name, array, average)
+            flats.append(np.ascontiguousarray(array).reshape(-1))
+            dtypes.append(code)
+        outs = [np.empty_like(f) for f in flats]
+        shapes = [np.shape(a) for a in arrays]
+        timeout = 2 * pull_deadline(self.config.timeout)
+        if not self._lanes:  # a single worker without servers
+            for out, flat in zip(outs, flats):
+                out[...] = flat
+            return Handle(list(names), outs, shapes, 0, None, timeout)
+        plan = self._plan(names, flats)
+        rounds = self._begin(names)
+        divisor = self.size if average else None
+        pending = sum(len(ranges) for ranges, _ in plan)
+        handle = Handle(list(names), outs, shapes, pending,
+                        lambda: self._end(names), timeout)
+        if priorities is None:
+            priorities = [-i for i in range(len(names))]
+        seq = next(self._seq)
+        for t, (name, flat, out) in enumerate(zip(names, flats, outs)):
+            tid = topology.tensor_id(name)
+            ranges, servers = plan[t]
+            for c, ((lo, hi), s) in enumerate(zip(ranges, servers)):
+                header = pb.Header(
+                    version=_wire.PROTOCOL_VERSION,
+                    job_id=self.config.job_id,
+                    rank=self.rank,
+                    key=_wire.make_key(tid, c),
+                    round=rounds[t],
+                    dtype=dtypes[t],
+                    length=hi - lo,
+                    name=f"{name}[{c}]",
+                )
+                lane = self._lanes[s]
+                chunk = _Chunk(handle, flat[lo:hi], out[lo:hi], header,
+                               divisor, lane)
+                lane.queue.put((-priorities[t], seq, c, id(chunk), chunk))
+        return handle
+
+    def push_pull(self, name: str, array, *, average: bool = True):
+        """Sums one array over all workers and returns the (mean) sum."""
+        return self.push_pull_async([name], [array], average=average).wait()[0]
+
+    def _plan(self, names, flats):
+        sig = tuple((n, f.size, f.dtype.str) for n, f in zip(names, flats))
+        plan = self._plans.get(sig)
+        if plan is None:
+            part = self.config.partition_bytes
+            per_tensor = [topology.chunk_ranges(f.size, f.itemsize, part)
+                          for f in flats]
+            sizes = [(hi - lo) * f.itemsize
+                     for f, ranges in zip(flats, per_tensor)
+                     for lo, hi in ranges]
+            servers = topology.assign_servers(
+                sizes, self.weights, salt=topology.tensor_id(names[0]))
+            plan, i = [], 0
+            for ranges in per_tensor:
+                plan.append((ranges, servers[i:i + len(ranges)]))
+                i += len(ranges)
+            self._plans[sig] = plan
+        return plan
+
+    def _begin(self, names) -> list[int]:
+        with self._lock:
+            busy = self._in_flight.intersection(names)
+            if busy:
+                raise errors.JaxpsError(
+                    f"push_pull of {sorted(busy)} is already in flight; wait "
+                    "for it before pushing the same name again.")
+            self._in_flight.update(names)
+            rounds = []
+            for name in names:
+                r = self._rounds.get(name, 0)
+                self._rounds[name] = r + 1
+                rounds.append(r)
+            return rounds
+
+    def _end(self, names) -> None:
+        with self._lock:
+            self._in_flight.difference_update(names)
+
+    def close(self) -> None:
+        """Stops the sender threads and closes the channels."""
+        for lane in self._lanes:
+            lane.stop()
+        self._lanes = []
+
+
+def _check_array(name: str, array: np.ndarray, average: bool) -> int:
+    try:
+        code = _wire.dtype_code(array.dtype)
+    except TypeError as err:
+        raise TypeError(f"push_pull of {name!r}: {err}") from None
+    if array.size == 0:
+        raise ValueError(f"push_pull of {name!r}: the array is empty (shape "
+                         f"{array.shape}); nothing to sum.")
+    if average and array.dtype.kind in "iu":
+        raise TypeError(
+            f"push_pull of {name!r}: average=True needs a floating dtype, "
+            f"got {array.dtype}; pass average=False to sum integers.")
+    return code

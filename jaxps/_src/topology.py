@@ -1,0 +1,108 @@
+"""Chunking, key-to-server assignment and the BytePS traffic formula.
+
+Every function here is deterministic, so every worker computes the same keys
+and the same server for each key without talking to the others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+from jaxps.servers import _wire
+
+
+def tensor_id(name: str) -> int:
+    """A 48-bit id of a tensor name, the same on every worker."""
+    digest = hashlib.blake2b(name.encode(), digest_size=6).digest()
+    return int.from_bytes(digest, "little")
+
+
+def chunk_ranges(
+    num_elements: int, itemsize: int, partition_bytes: int
+) -> list[tuple[int, int]]:
+    """Splits ``num_elements`` into near-equal ranges of <= partition_bytes."""
+    per_chunk = max(1, partition_bytes // itemsize)
+    count = max(1, -(-num_elements // per_chunk))
+    if count > _wire.MAX_CHUNKS:
+        raise ValueError(
+            f"a tensor of {num_elements} elements needs {count} chunks of "
+            f"{partition_bytes} bytes, more than {_wire.MAX_CHUNKS}; increase "
+            "partition_bytes.")
+    base, extra = divmod(num_elements, count)
+    ranges, start = [], 0
+    for i in range(count):
+        stop = start + base + (1 if i < extra else 0)
+        ranges.append((start, stop))
+        start = stop
+    return ranges
+
+
+def assign_servers(
+    sizes: Sequence[int],
+    weights: Sequence[float],
+    salt: int = 0,
+) -> list[int]:
+    """Assigns chunks to servers, balancing bytes in proportion to weights.
+
+    Largest chunks go first, each to the server whose weighted load after
+    taking it is smallest (ties go to the server after ``salt`` in order).
+
+    Args:
+      sizes: bytes of each chunk.
+      weights: the share of traffic each server should take (any scale).
+      salt: rotates tie-breaking so that small groups spread over servers.
+
+    Returns:
+      The server index of each chunk.
+    """
+    num = len(weights)
+    if num == 0:
+        raise ValueError("assign_servers needs at least one server.")
+    if any(w < 0 for w in weights) or not any(w > 0 for w in weights):
+        raise ValueError(f"server weights must be >= 0, some > 0: {weights}")
+    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+    load = [0.0] * num
+    tie = [(s - salt) % num for s in range(num)]
+    live = [s for s in range(num) if weights[s] > 0]
+    out = [0] * len(sizes)
+    for i in order:
+        best = min(live, key=lambda s: ((load[s] + sizes[i]) / weights[s],
+                                        tie[s]))
+        load[best] += sizes[i]
+        out[i] = best
+    return out
+
+
+def cpu_server_share(n: int, k: int) -> float:
+    """Fraction of all traffic that BytePS sends to the k CPU servers.
+
+    With n workers and k CPU-only servers it is 2k(n-1)/(n^2+kn-2k); the rest
+    goes to the n servers colocated on the workers ("mixed mode").
+    """
+    _check_nk(n, k)
+    return 2 * k * (n - 1) / (n * n + k * n - 2 * k)
+
+
+def mixed_mode_weights(n: int, k: int) -> list[float]:
+    """Per-server traffic weights: k CPU servers first, then n colocated.
+
+    Each CPU server takes 2(n-1)/(n^2+kn-2k) of the model and each colocated
+    server (n-k)/(n^2+kn-2k) (Theorem 1 of the BytePS paper).
+    """
+    _check_nk(n, k)
+    denom = n * n + k * n - 2 * k
+    return [2 * (n - 1) / denom] * k + [(n - k) / denom] * n
+
+
+def optimal_time(n: int, k: int, model_bytes: float, bandwidth: float) -> float:
+    """t_opt = 2n(n-1)M / ((n^2+kn-2k) B), in the units of M / B."""
+    _check_nk(n, k)
+    return 2 * n * (n - 1) * model_bytes / ((n * n + k * n - 2 * k)
+                                            * bandwidth)
+
+
+def _check_nk(n: int, k: int) -> None:
+    if n < 1 or k < 0:
+        raise ValueError(f"need n >= 1 workers and k >= 0 servers, got "
+                         f"n={n}, k={k}.")

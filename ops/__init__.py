@@ -1,0 +1,1 @@
+"""The JAX side of jaxps (``jaxps.ops``): the push_pull primitive."""

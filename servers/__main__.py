@@ -1,0 +1,7 @@
+"""``python -m jaxps.servers`` runs ``jaxps-server``."""
+
+import sys
+
+from ._cli import main
+
+sys.exit(main())

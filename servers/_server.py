@@ -1,0 +1,145 @@
+"""Creating, running and stopping a summation server."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import _async as health_async
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from . import _service
+from . import jaxps_pb2_grpc as pb_grpc
+
+log = logging.getLogger("jaxps.server")
+
+SERVICE_NAME = "jaxps.Summation"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerOptions:
+    """Settings of one summation server.
+
+    Attributes:
+      host: interface to bind; loopback unless told otherwise.
+      port: TCP port; 0 picks a free one.
+      num_workers: number of worker ranks that push every round.
+      job_id: accepted job id; ``None`` adopts the first worker's.
+      engine_threads: threads that sum payloads.
+      round_timeout: seconds before an incomplete round fails for everyone.
+      deterministic: sum in rank order (bitwise reproducible).
+      max_message_bytes: largest accepted request or reply.
+      grace: seconds in-flight calls get to finish on shutdown.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    num_workers: int = 1
+    job_id: str | None = None
+    engine_threads: int = 2
+    round_timeout: float = 60.0
+    deterministic: bool = False
+    max_message_bytes: int = 64 * 1024 * 1024 + 65536
+    grace: float = 2.0
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """gRPC options shared by servers and worker channels."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 2000),
+        ("grpc.keepalive_timeout_ms", 2000),
+        ("grpc.http2.ping_timeout_ms", 2000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+    ]
+
+
+class Server:
+    """A running summation server (use `create_server`)."""
+
+    def __init__(self, server, servicer, health, port: int, opts):
+        self.grpc_server = server
+        self.servicer = servicer
+        self.health = health
+        self.port = port
+        self.options = opts
+        self._expiry: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.options.host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.grpc_server.start()
+        await self.health.set(SERVICE_NAME,
+                              health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._expiry = asyncio.get_running_loop().create_task(
+            self.servicer.expire_forever())
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Marks the server NOT_SERVING, then stops it after `grace` s."""
+        await self.health.enter_graceful_shutdown()
+        if self._expiry is not None:
+            self._expiry.cancel()
+        grace = self.options.grace if grace is None else grace
+        await self.grpc_server.stop(grace)
+        self.servicer.close()
+
+    async def wait(self) -> None:
+        await self.grpc_server.wait_for_termination()
+
+
+def create_server(opts: ServerOptions) -> Server:
+    """Builds a server bound to ``opts.host:opts.port`` (not yet started).
+
+    Must be called with a running asyncio event loop.
+    """
+    servicer = _service.SummationServicer(
+        opts.num_workers,
+        job_id=opts.job_id,
+        round_timeout=opts.round_timeout,
+        engine_threads=opts.engine_threads,
+        deterministic=opts.deterministic,
+    )
+    options = channel_options(opts.max_message_bytes) + [
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(options=options)
+    pb_grpc.add_SummationServicer_to_server(servicer, server)
+    health = health_async.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    address = f"{opts.host}:{opts.port}"
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as err:
+        raise OSError(f"jaxps-server cannot bind {address}: {err}") from err
+    if port == 0:
+        raise OSError(f"jaxps-server cannot bind {address}: address in use?")
+    return Server(server, servicer, health, port, opts)
+
+
+async def serve(opts: ServerOptions, ready=None) -> None:
+    """Runs a server until SIGTERM or SIGINT, then shuts it down gracefully.
+
+    Args:
+      opts: the server settings.
+      ready: called with the started `Server` (e.g. to print its address).
+    """
+    server = create_server(opts)
+    await server.start()
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    if ready is not None:
+        ready(server)
+    await stopping.wait()
+    log.info("jaxps-server on %s shutting down", server.address)
+    await server.stop()

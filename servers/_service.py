@@ -1,0 +1,164 @@
+"""The gRPC summation service: a thin servicer over `_store.Store`."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import secrets
+import time
+
+import grpc
+
+from . import _store, _wire
+from . import jaxps_pb2 as pb
+from . import jaxps_pb2_grpc as pb_grpc
+
+log = logging.getLogger("jaxps.server")
+
+_CODES = {
+    "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
+    "ABORTED": grpc.StatusCode.ABORTED,
+    "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION,
+    "DEADLINE_EXCEEDED": grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+
+
+class SummationServicer(pb_grpc.SummationServicer):
+    """Provides methods that implement functionality of the summation server.
+
+    Args:
+      num_workers: number of worker ranks in the job.
+      job_id: the job this server serves; ``None`` adopts the job id of the
+        first worker that says hello.
+      round_timeout: seconds before an incomplete round fails for everyone.
+      engine_threads: threads that sum payloads (each key is pinned to one).
+      deterministic: sum in rank order for bitwise reproducible results.
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        *,
+        job_id: str | None = None,
+        round_timeout: float = 60.0,
+        engine_threads: int = 2,
+        deterministic: bool = False,
+    ):
+        self.store = _store.Store(
+            num_workers,
+            round_timeout=round_timeout,
+            engine_threads=engine_threads,
+            deterministic=deterministic,
+        )
+        self.job_id = job_id
+        self.incarnation = secrets.token_hex(8)
+        self._engines = [
+            concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix=f"jaxps-engine-{i}")
+            for i in range(max(1, engine_threads))
+        ]
+
+    # -- request checks ------------------------------------------------------
+
+    def _check_header(self, h: pb.Header) -> None:
+        if h.version != _wire.PROTOCOL_VERSION:
+            raise _store.StoreError(
+                "FAILED_PRECONDITION",
+                f"protocol version mismatch: worker speaks version "
+                f"{h.version}, server speaks {_wire.PROTOCOL_VERSION}; "
+                "install the same jaxps on workers and servers.",
+            )
+        if self.job_id is None:
+            self.job_id = h.job_id
+        elif h.job_id != self.job_id:
+            raise _store.StoreError(
+                "PERMISSION_DENIED",
+                f"unknown job_id {h.job_id!r}: this server serves job "
+                f"{self.job_id!r}.",
+            )
+
+    async def _abort(self, context, err: _store.StoreError):
+        code = _CODES.get(err.code) or getattr(grpc.StatusCode, err.code)
+        await context.abort(code, err.message)
+
+    # -- RPCs --------------------------------------------------------------
+
+    async def Hello(self, request, context):
+        try:
+            self._check_header(
+                pb.Header(version=request.version, job_id=request.job_id))
+            self.store._check_rank(request.rank)
+            if request.num_workers != self.store.num_workers:
+                raise _store.StoreError(
+                    "FAILED_PRECONDITION",
+                    f"wrong num_workers: worker {request.rank} says "
+                    f"num_workers={request.num_workers}, server was started "
+                    f"with --num-workers {self.store.num_workers}.",
+                )
+        except _store.StoreError as err:
+            await self._abort(context, err)
+        return pb.HelloReply(
+            version=_wire.PROTOCOL_VERSION,
+            incarnation=self.incarnation,
+            num_workers=self.store.num_workers,
+            job_id=self.job_id,
+        )
+
+    async def Push(self, request, context):
+        h = request.header
+        try:
+            self._check_header(h)
+            ticket = self.store.begin_push(
+                key=h.key, round=h.round, rank=h.rank, dtype_code=h.dtype,
+                length=h.length, payload=request.payload,
+                checksum=request.checksum, name=h.name,
+            )
+        except _store.StoreError as err:
+            await self._abort(context, err)
+        if ticket is not None:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._engines[ticket.engine],
+                                       ticket.run)
+            self.store.finish_push(ticket)
+        return pb.PushReply(incarnation=self.incarnation)
+
+    async def Pull(self, request, context):
+        h = request.header
+        store = self.store
+        try:
+            self._check_header(h)
+            rnd, result = store.pull(
+                key=h.key, round=h.round, rank=h.rank, dtype_code=h.dtype,
+                length=h.length)
+            if result is None:
+                await self._wait(rnd, context)
+                store.fail_if_late(h.key, rnd, time.monotonic())
+                result = store.collect(h.key, rnd, h.rank)
+        except _store.StoreError as err:
+            await self._abort(context, err)
+        return pb.PullReply(incarnation=self.incarnation, payload=result)
+
+    async def _wait(self, rnd: _store.Round, context) -> None:
+        event = asyncio.Event()
+        rnd.waiters.append(event.set)
+        timeout = self.store.deadline(rnd) - time.monotonic()
+        remaining = context.time_remaining()
+        if remaining is not None:
+            timeout = min(timeout, remaining)
+        try:
+            await asyncio.wait_for(event.wait(), max(0.0, timeout))
+        except asyncio.TimeoutError:
+            pass  # the caller checks whether the round failed
+
+    async def expire_forever(self, period: float = 1.0) -> None:
+        """Fails late rounds every `period` seconds (a background task)."""
+        while True:
+            await asyncio.sleep(period)
+            failed = self.store.expire()
+            if failed:
+                log.warning("%d round(s) timed out", failed)
+
+    def close(self) -> None:
+        for engine in self._engines:
+            engine.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,388 @@
+"""Per-key, per-round summation state of a server, free of gRPC.
+
+The store's bookkeeping (`begin_push`, `pull`, `expire`) runs on one thread,
+the server's event loop. The numpy work of a push (`PushTicket.run`) runs on
+the engine thread that owns the key, so the pushes of a key are summed one at a
+time without locks while different keys are summed in parallel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from . import _wire
+
+# Half-precision payloads are accumulated in float32 and cast back once.
+_ACCUMULATOR = {
+    np.dtype(np.float16): np.dtype(np.float32),
+}
+
+
+class StoreError(Exception):
+    """A request the store refuses; `code` names the gRPC status to send."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _accumulator_dtype(dtype: np.dtype) -> np.dtype:
+    if dtype.kind == "V" or dtype.name == "bfloat16":
+        return np.dtype(np.float32)
+    return _ACCUMULATOR.get(dtype, dtype)
+
+
+@dataclasses.dataclass(eq=False)
+class Round:
+    """One (key, round): contributions, the finished sum and who pulled it."""
+
+    number: int
+    started: float
+    pushed: dict[int, int] = dataclasses.field(default_factory=dict)
+    parts: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    acc: np.ndarray | None = None
+    summed: int = 0
+    result: bytes | None = None
+    pulled: set[int] = dataclasses.field(default_factory=set)
+    error: StoreError | None = None
+    waiters: list = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(eq=False)
+class Key:
+    """A chunk key: its fixed dtype and length, and its live rounds."""
+
+    key: int
+    name: str
+    dtype_code: int
+    length: int
+    engine: int
+    done: int = -1  # rounds <= done are finished and freed
+    rounds: dict[int, Round] = dataclasses.field(default_factory=dict)
+
+
+class PushTicket:
+    """The numpy work of one accepted push, run on the key's engine thread."""
+
+    __slots__ = ("key", "round", "rank", "data", "num_workers", "ordered")
+
+    def __init__(self, key, rnd, rank, data, num_workers, ordered):
+        self.key = key
+        self.round = rnd
+        self.rank = rank
+        self.data = data
+        self.num_workers = num_workers
+        self.ordered = ordered
+
+    @property
+    def engine(self) -> int:
+        return self.key.engine
+
+    def run(self) -> bool:
+        """Adds the payload into the round; returns True if it completed."""
+        rnd, data = self.round, self.data
+        n = self.num_workers
+        if self.ordered:
+            rnd.parts[self.rank] = data
+            rnd.summed += 1
+            if rnd.summed == n:
+                parts = [rnd.parts[r] for r in sorted(rnd.parts)]
+                rnd.parts = {}
+                rnd.result = _finish(_sum_in_order(parts), data.dtype)
+            return rnd.result is not None
+        if n == 1:
+            rnd.summed = 1
+            rnd.result = data.tobytes() if not isinstance(
+                data.base, bytes) else data.base
+            return True
+        if rnd.summed == 0:
+            rnd.parts[self.rank] = data  # defer: the next push adds into it
+        elif rnd.acc is None:
+            (first,) = rnd.parts.values()
+            rnd.parts = {}
+            acc_dtype = _accumulator_dtype(data.dtype)
+            rnd.acc = np.add(first, data, dtype=acc_dtype)
+        else:
+            np.add(rnd.acc, data, out=rnd.acc, casting="unsafe")
+        rnd.summed += 1
+        if rnd.summed == n:
+            rnd.result = _finish(rnd.acc, data.dtype)
+            rnd.acc = None
+        return rnd.result is not None
+
+
+def _sum_in_order(parts: list[np.ndarray]) -> np.ndarray:
+    acc_dtype = _accumulator_dtype(parts[0].dtype)
+    acc = parts[0].astype(acc_dtype)
+    for part in parts[1:]:
+        np.add(acc, part, out=acc, casting="unsafe")
+    return acc
+
+
+def _finish(acc: np.ndarray, dtype: np.dtype) -> bytes:
+    if acc.dtype != dtype:
+        acc = acc.astype(dtype)
+    return acc.tobytes()
+
+
+class Store:
+    """Sums the contributions of `num_workers` ranks for each (key, round).
+
+    Args:
+      num_workers: number of ranks that contribute to every round.
+      round_timeout: seconds a round may stay incomplete after its first push
+        before it fails for every rank, naming the missing ones.
+      engine_threads: number of engine threads keys are spread over.
+      deterministic: sum contributions in rank order, so the result is bitwise
+        the same whatever the arrival order.
+      round_window: how many rounds of one key may be live at once.
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        *,
+        round_timeout: float = 60.0,
+        engine_threads: int = 1,
+        deterministic: bool = False,
+        round_window: int = 2,
+    ):
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}.")
+        self.num_workers = num_workers
+        self.round_timeout = round_timeout
+        self.deterministic = deterministic
+        self.round_window = round_window
+        self._keys: dict[int, Key] = {}
+        self._engine_bytes = [0] * max(1, engine_threads)
+        self.rounds_completed = 0
+        self.bytes_summed = 0
+
+    # -- pushes ------------------------------------------------------------
+
+    def begin_push(
+        self,
+        *,
+        key: int,
+        round: int,
+        rank: int,
+        dtype_code: int,
+        length: int,
+        payload: bytes,
+        checksum: int,
+        name: str = "",
+        now: float | None = None,
+    ) -> PushTicket | None:
+        """Validates a push; returns its work, or None for a repeat."""
+        self._check_rank(rank)
+        k = self._key(key, dtype_code, length, name)
+        dtype = _wire.code_dtype(dtype_code)
+        if len(payload) != length * dtype.itemsize:
+            raise StoreError(
+                "INVALID_ARGUMENT",
+                f"payload of key {self._label(k)} has {len(payload)} bytes "
+                f"but length={length} elements of {dtype} need "
+                f"{length * dtype.itemsize} bytes.",
+            )
+        rnd = self._round(k, round, now, create=True)
+        previous = rnd.pushed.get(rank)
+        if previous is not None:
+            if previous != checksum:
+                raise StoreError(
+                    "ABORTED",
+                    f"rank {rank} pushed key {self._label(k)} round {round} "
+                    "twice with different payloads (checksum "
+                    f"{previous:#010x} then {checksum:#010x}); the first was "
+                    "kept.",
+                )
+            return None  # an identical retry: acknowledged, not summed again
+        rnd.pushed[rank] = checksum
+        data = np.frombuffer(payload, dtype=dtype)
+        self.bytes_summed += len(payload)
+        return PushTicket(
+            k, rnd, rank, data, self.num_workers, self.deterministic)
+
+    def finish_push(self, ticket: PushTicket) -> None:
+        """Wakes the pulls of a round that `ticket.run()` completed."""
+        rnd = ticket.round
+        if rnd.result is not None:
+            self.rounds_completed += 1
+            self._wake(rnd)
+
+    # -- pulls -------------------------------------------------------------
+
+    def pull(
+        self, *, key: int, round: int, rank: int, dtype_code: int,
+        length: int, now: float | None = None,
+    ) -> tuple[Round, bytes | None]:
+        """Returns the round and its sum, or None if it is not complete."""
+        self._check_rank(rank)
+        k = self._keys.get(key)
+        if k is None:
+            raise StoreError(
+                "FAILED_PRECONDITION",
+                f"pull of unknown key {key} round {round}: push it first.")
+        self._check_schema(k, dtype_code, length)
+        rnd = self._round(k, round, now, create=True)
+        if rnd.error is not None:
+            raise rnd.error
+        if rnd.result is None:
+            return rnd, None
+        return rnd, self._take(k, rnd, rank)
+
+    def collect(self, key: int, rnd: Round, rank: int) -> bytes:
+        """Returns the sum of a round that completed while `rank` waited."""
+        if rnd.error is not None:
+            raise rnd.error
+        k = self._keys[key]
+        if rnd.result is None:
+            missing = sorted(set(range(self.num_workers)) - set(rnd.pushed))
+            raise StoreError(
+                "DEADLINE_EXCEEDED",
+                f"pull of round {rnd.number} of key {self._label(k)} by rank "
+                f"{rank} hit its deadline while waiting for rank(s) "
+                f"{missing} to push.",
+            )
+        return self._take(k, rnd, rank)
+
+    def _take(self, k: Key, rnd: Round, rank: int) -> bytes:
+        result = rnd.result
+        rnd.pulled.add(rank)
+        if len(rnd.pulled) == self.num_workers:
+            del k.rounds[rnd.number]
+            k.done = max(k.done, rnd.number)
+        return result
+
+    def deadline(self, rnd: Round) -> float:
+        """Monotonic time at which `rnd` fails if still incomplete."""
+        return rnd.started + self.round_timeout
+
+    def fail_if_late(self, key: int, rnd: Round, now: float) -> None:
+        """Fails `rnd` if it is incomplete past its deadline."""
+        if rnd.result is None and rnd.error is None and now >= self.deadline(
+                rnd):
+            self._fail(self._keys[key], rnd)
+
+    def expire(self, now: float | None = None) -> int:
+        """Fails incomplete rounds past their deadline; returns how many."""
+        now = time.monotonic() if now is None else now
+        failed = 0
+        for k in self._keys.values():
+            for rnd in list(k.rounds.values()):
+                if rnd.error is not None:
+                    if now >= self.deadline(rnd) + self.round_timeout:
+                        del k.rounds[rnd.number]  # forget it after a while
+                    continue
+                if rnd.result is None and now >= self.deadline(rnd):
+                    self._fail(k, rnd)
+                    failed += 1
+        return failed
+
+    def _fail(self, k: Key, rnd: Round) -> None:
+        missing = sorted(set(range(self.num_workers)) - set(rnd.pushed))
+        rnd.error = StoreError(
+            "DEADLINE_EXCEEDED",
+            f"round {rnd.number} of key {self._label(k)} timed out after "
+            f"{self.round_timeout:g} s waiting for rank(s) {missing} to push "
+            f"(ranks {sorted(rnd.pushed)} did).",
+        )
+        rnd.parts = {}
+        rnd.acc = None
+        k.done = max(k.done, rnd.number)
+        self._wake(rnd)
+
+    # -- helpers -----------------------------------------------------------
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.num_workers:
+            raise StoreError(
+                "INVALID_ARGUMENT",
+                f"rank {rank} out of range: this server sums "
+                f"num_workers={self.num_workers} ranks [0, "
+                f"{self.num_workers}).",
+            )
+
+    def _key(self, key: int, dtype_code: int, length: int, name: str) -> Key:
+        k = self._keys.get(key)
+        if k is None:
+            try:
+                dtype = _wire.code_dtype(dtype_code)
+            except KeyError:
+                raise StoreError(
+                    "INVALID_ARGUMENT",
+                    f"dtype of key {key} is {_wire.dtype_name(dtype_code)}; "
+                    f"supported: {', '.join(_wire.SUPPORTED_DTYPES)}.",
+                ) from None
+            if length < 1:
+                raise StoreError(
+                    "INVALID_ARGUMENT",
+                    f"length of key {key} must be >= 1, got {length}.")
+            engine = min(range(len(self._engine_bytes)),
+                         key=self._engine_bytes.__getitem__)
+            self._engine_bytes[engine] += length * dtype.itemsize
+            k = Key(key, name, dtype_code, length, engine)
+            self._keys[key] = k
+            return k
+        self._check_schema(k, dtype_code, length)
+        return k
+
+    def _check_schema(self, k: Key, dtype_code: int, length: int) -> None:
+        if dtype_code != k.dtype_code:
+            raise StoreError(
+                "INVALID_ARGUMENT",
+                f"dtype of key {self._label(k)} is "
+                f"{_wire.dtype_name(dtype_code)} but its first push had "
+                f"{_wire.dtype_name(k.dtype_code)}.",
+            )
+        if length != k.length:
+            raise StoreError(
+                "INVALID_ARGUMENT",
+                f"length of key {self._label(k)} is {length} but its first "
+                f"push had length={k.length}.",
+            )
+
+    def _round(
+        self, k: Key, number: int, now: float | None, create: bool
+    ) -> Round:
+        rnd = k.rounds.get(number)
+        if rnd is not None:
+            return rnd
+        if number <= k.done:
+            raise StoreError(
+                "ABORTED",
+                f"round {number} of key {self._label(k)} is from the past: "
+                f"rounds up to {k.done} are finished.",
+            )
+        if number > k.done + self.round_window:
+            raise StoreError(
+                "FAILED_PRECONDITION",
+                f"round {number} of key {self._label(k)} is too far ahead: "
+                f"rounds up to {k.done} are finished and at most "
+                f"{self.round_window} may be live.",
+            )
+        now = time.monotonic() if now is None else now
+        rnd = Round(number, now)
+        k.rounds[number] = rnd
+        return rnd
+
+    @staticmethod
+    def _wake(rnd: Round) -> None:
+        waiters, rnd.waiters = rnd.waiters, []
+        for wake in waiters:
+            wake()
+
+    @staticmethod
+    def _label(k: Key) -> str:
+        return f"{k.key} ({k.name})" if k.name else str(k.key)
+
+    @property
+    def num_keys(self) -> int:
+        return len(self._keys)
+
+    def pending_rounds(self) -> int:
+        """Number of rounds that are live (incomplete or not fully pulled)."""
+        return sum(len(k.rounds) for k in self._keys.values())

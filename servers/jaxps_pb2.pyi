@@ -1,0 +1,98 @@
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT64: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    INT32: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+FLOAT64: DType
+FLOAT16: DType
+BFLOAT16: DType
+INT32: DType
+INT64: DType
+
+class Header(_message.Message):
+    __slots__ = ("version", "job_id", "rank", "key", "round", "dtype", "length", "name")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    job_id: str
+    rank: int
+    key: int
+    round: int
+    dtype: DType
+    length: int
+    name: str
+    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., key: _Optional[int] = ..., round: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+
+class HelloRequest(_message.Message):
+    __slots__ = ("version", "job_id", "rank", "num_workers")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    job_id: str
+    rank: int
+    num_workers: int
+    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., num_workers: _Optional[int] = ...) -> None: ...
+
+class HelloReply(_message.Message):
+    __slots__ = ("version", "incarnation", "num_workers", "job_id")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    incarnation: str
+    num_workers: int
+    job_id: str
+    def __init__(self, version: _Optional[int] = ..., incarnation: _Optional[str] = ..., num_workers: _Optional[int] = ..., job_id: _Optional[str] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("header", "payload", "checksum")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    header: Header
+    payload: bytes
+    checksum: int
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("incarnation",)
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    def __init__(self, incarnation: _Optional[str] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: Header
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ...) -> None: ...
+
+class PullReply(_message.Message):
+    __slots__ = ("incarnation", "payload")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    payload: bytes
+    def __init__(self, incarnation: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
