@@ -177,9 +177,17 @@ class Store:
         name: str = "",
         now: float | None = None,
     ) -> PushTicket | None:
-        """Validates a push; returns its work, or None for a repeat."""
+        """Validates a push; returns its work, or None for a repeat.
+
+        A push whose dtype or length contradicts the key's first push fails
+        the round for every rank, so nobody waits for a sum that cannot be.
+        """
         self._check_rank(rank)
-        k = self._key(key, dtype_code, length, name)
+        try:
+            k = self._key(key, dtype_code, length, name)
+        except StoreError as err:
+            self._poison(key, round, err)
+            raise
         dtype = _wire.code_dtype(dtype_code)
         if len(payload) != length * dtype.itemsize:
             raise StoreError(
@@ -188,7 +196,7 @@ class Store:
                 f"but length={length} elements of {dtype} need "
                 f"{length * dtype.itemsize} bytes.",
             )
-        rnd = self._round(k, round, now, create=True)
+        rnd = self._round(k, round, now)
         previous = rnd.pushed.get(rank)
         if previous is not None:
             if previous != checksum:
@@ -227,7 +235,7 @@ class Store:
                 "FAILED_PRECONDITION",
                 f"pull of unknown key {key} round {round}: push it first.")
         self._check_schema(k, dtype_code, length)
-        rnd = self._round(k, round, now, create=True)
+        rnd = self._round(k, round, now)
         if rnd.error is not None:
             raise rnd.error
         if rnd.result is None:
@@ -281,6 +289,16 @@ class Store:
                     self._fail(k, rnd)
                     failed += 1
         return failed
+
+    def _poison(self, key: int, number: int, err: StoreError) -> None:
+        k = self._keys.get(key)
+        rnd = None if k is None else k.rounds.get(number)
+        if rnd is not None and rnd.result is None and rnd.error is None:
+            rnd.error = StoreError(err.code, f"round {number} failed: "
+                                   f"{err.message}")
+            rnd.parts = {}
+            rnd.acc = None
+            self._wake(rnd)
 
     def _fail(self, k: Key, rnd: Round) -> None:
         missing = sorted(set(range(self.num_workers)) - set(rnd.pushed))
@@ -345,9 +363,7 @@ class Store:
                 f"push had length={k.length}.",
             )
 
-    def _round(
-        self, k: Key, number: int, now: float | None, create: bool
-    ) -> Round:
+    def _round(self, k: Key, number: int, now: float | None) -> Round:
         rnd = k.rounds.get(number)
         if rnd is not None:
             return rnd

@@ -123,7 +123,7 @@ class ServerClient:
         else:
             where += f" ({what})"
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            if details and details != "Deadline Exceeded":
+            if details and "Deadline Exceeded" not in details:
                 return errors.RoundTimeoutError(f"{where}: {details}")
             return errors.RoundTimeoutError(
                 f"{where}: no answer within the deadline ({self.timeout:g} s "

@@ -40,7 +40,8 @@ class Config:
       partition_bytes: tensors are cut into chunks of at most this many bytes.
       timeout: seconds any wait may take (connect, a round, a pull) before it
         fails naming what it waited for.
-      credit_bytes: bytes in flight per server (pushed and not yet pulled).
+      credit_bytes: bytes being pushed to each server at once; chunks take
+        credit in priority order.
     """
 
     servers: tuple[str, ...] = ()

@@ -1,9 +1,11 @@
 """The worker runtime: chunks tensors, pushes and pulls them, reassembles.
 
 Each server has a lane: a priority queue of chunks, sender threads that push
-them, and a credit bound on the bytes pushed but not yet pulled. A push that
-the server acknowledged is followed at once by an asynchronous pull, whose
-callback writes the sum into the output array.
+them, and a credit bound on the bytes being pushed. Chunks take credit in
+priority order. A push that the server acknowledged gives its credit back and
+is followed at once by an asynchronous pull, whose callback writes the sum
+into the output array. Credit never waits on other workers, so workers that
+queue chunks in different orders cannot deadlock each other.
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ class _Lane:
         self.credit = credit
         self.in_flight = 0
         self._cv = threading.Condition()
+        self._take = threading.Lock()
         self.queue: queue.PriorityQueue = queue.PriorityQueue()
         self.threads = [
             threading.Thread(target=self._send_loop, daemon=True,
@@ -140,23 +143,25 @@ class _Lane:
 
     def _send_loop(self) -> None:
         while True:
-            item = self.queue.get()
-            chunk = item[-1]
-            if chunk is _STOP:
-                return
-            if chunk.handle.failed:
-                continue
+            with self._take:  # credit is taken in priority order
+                chunk = self.queue.get()[-1]
+                if chunk is _STOP:
+                    return
+                if chunk.handle.failed:
+                    continue
+                h = chunk.header
+                try:
+                    self.acquire(chunk.nbytes,
+                                 time.monotonic() + self.client.timeout,
+                                 f"push_pull of {h.name} round {h.round}")
+                except errors.JaxpsError as err:
+                    chunk.handle.fail(err)
+                    continue
             self._send(chunk)
 
     def _send(self, chunk: _Chunk) -> None:
         timeout = self.client.timeout
         h = chunk.header
-        label = f"push_pull of {h.name} round {h.round}"
-        try:
-            self.acquire(chunk.nbytes, time.monotonic() + timeout, label)
-        except errors.JaxpsError as err:
-            chunk.handle.fail(err)
-            return
         try:
             payload = chunk.source.tobytes()
             self.client.push(h, payload, fingerprint(payload),
@@ -164,9 +169,10 @@ class _Lane:
             future = self.client.pull_future(
                 h, time.monotonic() + pull_deadline(timeout))
         except errors.JaxpsError as err:
-            self.release(chunk.nbytes)
             chunk.handle.fail(err)
             return
+        finally:
+            self.release(chunk.nbytes)
         future.add_done_callback(lambda f: self._pulled(chunk, f))
 
     def _pulled(self, chunk: _Chunk, future) -> None:
@@ -191,8 +197,6 @@ class _Lane:
             chunk.handle.fail(err)
         else:
             chunk.handle.chunk_done()
-        finally:
-            self.release(chunk.nbytes)
 
     def _retry_pull(self, chunk: _Chunk, err: BaseException) -> bytes:
         import grpc

@@ -1,0 +1,540 @@
+"""The ``jaxps-launch`` command: runs a whole jaxps job on one machine.
+
+``jaxps-launch --workers N --servers K -- CMD ARGS...`` starts K summation
+servers (``python -m jaxps.servers``) on 127.0.0.1, waits until each one is
+listening, then starts N copies of ``CMD ARGS...`` with the ``JAXPS_*``
+environment variables that `jaxps.init` reads (``JAXPS_SERVERS``,
+``JAXPS_NUM_WORKERS``, ``JAXPS_WORKER_RANK``, ``JAXPS_JOB_ID`` and, with
+``--timeout``, ``JAXPS_TIMEOUT``).
+
+Every line a child prints is copied to the launcher's stdout or stderr with a
+``[worker r] `` or ``[server i] `` prefix. The launcher exits 0 when every
+worker exits 0. Otherwise it exits with the code of the first worker that
+failed (``128 + signum`` for a worker killed by a signal), 1 when a server
+fails, and ``128 + signum`` when it is itself stopped by SIGINT or SIGTERM. In
+all those cases it stops everything it started: SIGTERM to each child's
+process group, then SIGKILL to whatever is still alive after a grace period.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import queue
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import IO, Any
+
+from jaxps.servers import ServerOptions
+from jaxps.servers._cli import READY_PREFIX
+
+#: Seconds a server may take to print its ready line.
+SERVER_START_TIMEOUT = 30.0
+#: Seconds between SIGTERM and SIGKILL when stopping children.
+STOP_GRACE = 5.0
+#: Seconds to wait for the output of exited children to be copied.
+DRAIN_TIMEOUT = 2.0
+#: How often the waits below look at the signal flag.
+_TICK = 0.1
+
+#: Called with each line a child prints, then with None at the end.
+_LineCallback = Callable[[str | None], None]
+
+_USAGE = ("jaxps-launch [-h] --workers N --servers K [--timeout SECONDS] "
+          "[--job-id ID] [--engine-threads T] -- CMD [ARGS ...]")
+
+
+class LaunchError(Exception):
+    """A failure that ends the job; carries the launcher's exit code."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """The validated settings of one ``jaxps-launch`` run.
+
+    Attributes:
+      workers: number of worker processes.
+      servers: number of summation servers.
+      timeout: the servers' round timeout in seconds.
+      job_id: the job id given to servers and workers.
+      engine_threads: summation threads per server.
+      command: the worker command line.
+      worker_env: extra environment variables of every worker.
+    """
+
+    workers: int
+    servers: int
+    timeout: float
+    job_id: str
+    engine_threads: int
+    command: tuple[str, ...]
+    worker_env: dict[str, str]
+
+
+# ----------------------------------------------------------------------------
+# Command line.
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="jaxps-launch",
+        usage=_USAGE,
+        description="Run a jaxps job on this machine: start K summation "
+        "servers, then N workers running CMD with JAXPS_SERVERS, "
+        "JAXPS_NUM_WORKERS, JAXPS_WORKER_RANK and JAXPS_JOB_ID set. The "
+        "children's output is prefixed with [worker r] / [server i]. If a "
+        "worker fails, everything else is stopped and its exit code is "
+        "returned.",
+        epilog="example: jaxps-launch --workers 2 --servers 1 -- "
+        "python train.py --lr 0.1",
+    )
+    p.add_argument("-w", "--workers", type=int, required=True, metavar="N",
+                   help="number of worker processes (>= 1)")
+    p.add_argument("-s", "--servers", type=int, required=True, metavar="K",
+                   help="number of summation servers (>= 0; 0 only with one "
+                   "worker)")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="seconds any jaxps wait may take, given to workers as "
+                   "JAXPS_TIMEOUT and to servers as --round-timeout "
+                   "(default $JAXPS_TIMEOUT, else 60)")
+    p.add_argument("--job-id", default=None, metavar="ID",
+                   help="job id shared by servers and workers (default: a "
+                   "random jaxps-<hex>)")
+    p.add_argument("--engine-threads", type=int,
+                   default=ServerOptions.engine_threads, metavar="T",
+                   help="summation threads per server (default %(default)s)")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="the worker command, after '--'")
+    return p
+
+
+def _split_command(argv: Sequence[str]) -> tuple[list[str], list[str] | None]:
+    """Splits `argv` at the first ``--`` into options and command."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, None
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
+def _default_timeout(parser: argparse.ArgumentParser) -> float:
+    text = os.environ.get("JAXPS_TIMEOUT", "60")
+    try:
+        value = float(text)
+    except ValueError:
+        parser.error(f"JAXPS_TIMEOUT must be a number, got {text!r}")
+    if value <= 0:
+        parser.error(f"JAXPS_TIMEOUT must be > 0, got {text!r}")
+    return value
+
+
+def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace,
+              command: list[str]) -> None:
+    if args.workers < 1:
+        parser.error(f"--workers must be >= 1, got {args.workers}")
+    if args.servers < 0:
+        parser.error(f"--servers must be >= 0, got {args.servers}")
+    if args.servers == 0 and args.workers > 1:
+        parser.error(f"--servers 0 works only with --workers 1: "
+                     f"{args.workers} workers need at least one summation "
+                     "server (--servers 1)")
+    if args.timeout is not None and not args.timeout > 0:
+        parser.error(f"--timeout must be > 0, got {args.timeout}")
+    if args.engine_threads < 1:
+        parser.error(f"--engine-threads must be >= 1, got "
+                     f"{args.engine_threads}")
+    if args.job_id is not None and not args.job_id:
+        parser.error("--job-id must not be empty")
+    if not command:
+        parser.error("a worker command is required after '--', e.g. "
+                     "jaxps-launch --workers 2 --servers 1 -- python train.py")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
+    """Parses and validates the ``jaxps-launch`` command line.
+
+    Args:
+      argv: the arguments after the program name (default ``sys.argv[1:]``).
+
+    Returns:
+      The launch settings.
+
+    Raises:
+      SystemExit: with code 2 after printing a usage error.
+    """
+    parser = _parser()
+    head, tail = _split_command(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(head)
+    command = list(args.command)
+    if tail is not None:
+        command = command + ["--"] + tail if command else tail
+    _validate(parser, args, command)
+    timeout = (_default_timeout(parser) if args.timeout is None
+               else args.timeout)
+    job_id = args.job_id or f"jaxps-{secrets.token_hex(6)}"
+    env = {"JAXPS_JOB_ID": job_id, "JAXPS_NUM_WORKERS": str(args.workers)}
+    if args.timeout is not None:
+        env["JAXPS_TIMEOUT"] = repr(args.timeout)
+    return LaunchConfig(workers=args.workers, servers=args.servers,
+                        timeout=timeout, job_id=job_id,
+                        engine_threads=args.engine_threads,
+                        command=tuple(command), worker_env=env)
+
+
+# ----------------------------------------------------------------------------
+# Children.
+
+
+class _Output:
+    """Writes whole lines to the launcher's stdout/stderr, one at a time."""
+
+    def __init__(self, out: IO[str], err: IO[str]):
+        self.out = out
+        self.err = err
+        self._lock = threading.Lock()
+
+    def line(self, stream: IO[str], text: str) -> None:
+        """Writes `text` and a newline to `stream`, then flushes it."""
+        with self._lock:
+            try:
+                stream.write(text + "\n")
+                stream.flush()
+            except (OSError, ValueError):
+                pass  # The launcher's own output is gone; keep draining.
+
+    def error(self, message: str) -> None:
+        """Writes a launcher message to stderr."""
+        self.line(self.err, f"jaxps-launch: {message}")
+
+
+class _Child:
+    """One child process, the threads copying its output and its waiter.
+
+    Args:
+      label: ``"worker 0"``, ``"server 1"``, ...
+      argv: the command line.
+      env: the complete environment.
+      output: where to copy the child's lines.
+      events: receives ``("exit", child)`` when the child exits.
+      on_stdout_line: called with each stdout line before it is copied.
+    """
+
+    def __init__(self, label: str, argv: Sequence[str], env: dict[str, str],
+                 output: _Output, events: queue.SimpleQueue,
+                 on_stdout_line: _LineCallback | None = None):
+        self.label = label
+        self.proc = subprocess.Popen(
+            list(argv), env=env, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True)
+        prefix = f"[{label}] "
+        self._threads = [
+            _start_thread(self._pump, self.proc.stdout, output, output.out,
+                          prefix, on_stdout_line),
+            _start_thread(self._pump, self.proc.stderr, output, output.err,
+                          prefix, None),
+            _start_thread(self._wait, events),
+        ]
+
+    @staticmethod
+    def _pump(pipe: IO[bytes], output: _Output, stream: IO[str], prefix: str,
+              on_line: _LineCallback | None) -> None:
+        with pipe:
+            for raw in iter(pipe.readline, b""):
+                text = raw.decode("utf-8", "replace").rstrip("\r\n")
+                if on_line is not None:
+                    on_line(text)
+                output.line(stream, prefix + text)
+        if on_line is not None:
+            on_line(None)
+
+    def _wait(self, events: queue.SimpleQueue) -> None:
+        self.proc.wait()
+        events.put(("exit", self))
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once the waiter has seen it, else None."""
+        return self.proc.returncode
+
+    def signal_group(self, signum: int) -> None:
+        """Sends `signum` to the child's process group (if any is left)."""
+        try:
+            os.killpg(self.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def group_alive(self) -> bool:
+        """Whether the child or anything in its process group still runs."""
+        if self.proc.returncode is None:
+            return True
+        try:
+            os.killpg(self.proc.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
+    def join(self, deadline: float) -> None:
+        """Waits until `deadline` for the output threads and the waiter."""
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _start_thread(target: Callable[..., None], *args: Any) -> threading.Thread:
+    thread = threading.Thread(target=target, args=args, daemon=True)
+    thread.start()
+    return thread
+
+
+def exit_code(returncode: int) -> int:
+    """Maps a `subprocess` return code to a shell-style exit code.
+
+    Args:
+      returncode: a child's return code; negative for a signal.
+
+    Returns:
+      `returncode`, or ``128 + signum`` for a child killed by a signal.
+    """
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe(returncode: int) -> str:
+    """Describes how a child ended, e.g. ``exit code 3`` or ``SIGKILL``."""
+    if returncode < 0:
+        try:
+            return signal.Signals(-returncode).name
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+# ----------------------------------------------------------------------------
+# The launcher.
+
+
+class Launcher:
+    """Runs the servers and workers of one job and cleans up after them.
+
+    Args:
+      config: the launch settings.
+      out: where child stdout lines go (default ``sys.stdout``).
+      err: where child stderr lines and launcher messages go (default
+        ``sys.stderr``).
+    """
+
+    def __init__(self, config: LaunchConfig, out: IO[str] | None = None,
+                 err: IO[str] | None = None):
+        self.config = config
+        self.output = _Output(out or sys.stdout, err or sys.stderr)
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.servers: list[_Child] = []
+        self.workers: list[_Child] = []
+        self.signals: list[int] = []
+
+    def on_signal(self, signum: int, frame: Any = None) -> None:
+        """Signal handler: asks the launcher to stop everything."""
+        del frame
+        self.signals.append(signum)
+        self.events.put(("signal", signum))
+
+    def run(self) -> int:
+        """Runs the job; returns the launcher's exit code."""
+        try:
+            self._check_signal()
+            addresses = self._start_servers()
+            self._start_workers(addresses)
+            return self._watch()
+        except LaunchError as err:
+            self.output.error(str(err))
+            return err.code
+        finally:
+            self.stop()
+
+    def _check_signal(self) -> None:
+        if self.signals:
+            signum = self.signals[0]
+            raise LaunchError(f"got {signal.Signals(signum).name}; stopping "
+                              "all processes", 128 + signum)
+
+    def _child(self, label: str, argv: Sequence[str], env: dict[str, str],
+               on_stdout_line: _LineCallback | None = None) -> _Child:
+        try:
+            return _Child(label, argv, env, self.output, self.events,
+                          on_stdout_line)
+        except OSError as err:
+            code = 127 if isinstance(err, FileNotFoundError) else 126
+            raise LaunchError(f"cannot start {label} ({argv[0]!r}): {err}",
+                              code) from err
+
+    def _server_argv(self) -> list[str]:
+        c = self.config
+        return [sys.executable, "-m", "jaxps.servers", "--host", "127.0.0.1",
+                "--port", "0", "--num-workers", str(c.workers),
+                "--round-timeout", str(c.timeout), "--job-id", c.job_id,
+                "--engine-threads", str(c.engine_threads)]
+
+    def _start_servers(self) -> list[str]:
+        """Starts every server, then waits for all of their addresses."""
+        ready: list[queue.SimpleQueue] = []
+        env = dict(os.environ)
+        for i in range(self.config.servers):
+            q: queue.SimpleQueue = queue.SimpleQueue()
+            self.servers.append(self._child(
+                f"server {i}", self._server_argv(), env, _ready_line(q)))
+            ready.append(q)
+        deadline = time.monotonic() + SERVER_START_TIMEOUT
+        return [self._await_ready(server, q, deadline)
+                for server, q in zip(self.servers, ready, strict=True)]
+
+    def _await_ready(self, server: _Child, ready: queue.SimpleQueue,
+                     deadline: float) -> str:
+        """Returns the address `server` prints, or raises LaunchError."""
+        while True:
+            self._check_signal()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LaunchError(
+                    f"{server.label} printed no {READY_PREFIX.strip()!r} line "
+                    f"within {SERVER_START_TIMEOUT:g} s; its output, if any, "
+                    "is above")
+            try:
+                address = ready.get(timeout=min(left, _TICK))
+            except queue.Empty:
+                continue
+            if address is not None:
+                return address
+            try:
+                server.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise LaunchError(
+                    f"{server.label} closed its stdout without printing "
+                    f"a {READY_PREFIX.strip()!r} line") from None
+            server.join(time.monotonic() + DRAIN_TIMEOUT)
+            raise LaunchError(
+                f"{server.label} ended ({describe(server.returncode)}) before "
+                "it was ready; its output is above")
+
+    def _start_workers(self, addresses: list[str]) -> None:
+        env = dict(os.environ)
+        env.update(self.config.worker_env)
+        env["JAXPS_SERVERS"] = ",".join(addresses)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        for rank in range(self.config.workers):
+            env["JAXPS_WORKER_RANK"] = str(rank)
+            self.workers.append(
+                self._child(f"worker {rank}", self.config.command, dict(env)))
+
+    def _watch(self) -> int:
+        """Waits for the workers; returns 0 or the first failure's code."""
+        running = set(self.workers)
+        while running:
+            self._check_signal()
+            try:
+                kind, child = self.events.get(timeout=_TICK)
+            except queue.Empty:
+                continue
+            if kind != "exit":
+                continue
+            if child in self.servers:
+                raise LaunchError(
+                    f"{child.label} ended ({describe(child.returncode)}) "
+                    "while workers were running; stopping all processes")
+            running.discard(child)
+            if child.returncode != 0:
+                raise LaunchError(
+                    f"{child.label} failed ({describe(child.returncode)}); "
+                    "stopping all processes", exit_code(child.returncode))
+        return 0
+
+    def stop(self) -> None:
+        """Stops every child: SIGTERM, then SIGKILL after `STOP_GRACE` s."""
+        children = self.workers + self.servers
+        signals_seen = len(self.signals)
+        for child in children:
+            child.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE
+        while (any(c.group_alive() for c in children)
+               and time.monotonic() < deadline
+               and len(self.signals) == signals_seen):
+            time.sleep(0.02)
+        for child in children:
+            if child.group_alive():
+                child.signal_group(signal.SIGKILL)
+        deadline = time.monotonic() + STOP_GRACE
+        for child in children:
+            try:
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.output.error(f"{child.label} (pid {child.proc.pid}) "
+                                  "survived SIGKILL")
+        deadline = time.monotonic() + DRAIN_TIMEOUT
+        for child in children:
+            child.join(deadline)
+
+
+def _ready_line(ready: queue.SimpleQueue) -> _LineCallback:
+    """Returns a stdout callback that puts the server address on `ready`.
+
+    It puts None at the end of the output if no ready line came.
+    """
+    done = False
+
+    def on_line(text: str | None) -> None:
+        nonlocal done
+        if done:
+            return
+        if text is None:
+            done = True
+            ready.put(None)
+        elif text.startswith(READY_PREFIX):
+            done = True
+            ready.put(text[len(READY_PREFIX):].strip())
+
+    return on_line
+
+
+def _install_handlers(handler: Callable[..., None]) -> dict[int, Any]:
+    """Installs `handler` for SIGINT and SIGTERM; returns the old ones."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler)
+            for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _restore_handlers(old: dict[int, Any]) -> None:
+    for sig, handler in old.items():
+        signal.signal(sig, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs ``jaxps-launch``.
+
+    Args:
+      argv: the arguments after the program name (default ``sys.argv[1:]``).
+
+    Returns:
+      The exit code: 0 when every worker succeeded, else the first failed
+      worker's code, 1 for a server failure, 130 after SIGINT, 143 after
+      SIGTERM.
+    """
+    config = parse_args(argv)
+    launcher = Launcher(config)
+    old = _install_handlers(launcher.on_signal)
+    try:
+        return launcher.run()
+    finally:
+        _restore_handlers(old)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

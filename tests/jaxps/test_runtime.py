@@ -1,0 +1,169 @@
+"""The worker runtime against real server processes on loopback.
+
+Each worker is a thread with its own `Runtime` (own channels and threads);
+the servers are separate `jaxps-server` processes.
+"""
+
+import concurrent.futures
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxps import errors
+from jaxps._src.config import Config
+from jaxps._src.runtime import Runtime
+
+SMALL = 4096  # partition bytes that make several chunks out of small arrays
+
+
+def run_workers(n, servers, fn, **config):
+    """Runs ``fn(runtime)`` on n workers at once; returns their results."""
+    addresses = tuple(s.address for s in servers)
+
+    def work(rank):
+        cfg = Config(servers=addresses, num_workers=n, worker_rank=rank,
+                     **config)
+        runtime = Runtime(cfg)
+        try:
+            return fn(runtime)
+        finally:
+            runtime.close()
+
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(work, r) for r in range(n)]
+        return [f.result(timeout=120) for f in futures]
+
+
+def contribution(rank, size, dtype, seed=0):
+    rng = np.random.default_rng(seed + 1000 * rank)
+    return rng.integers(-100, 100, size=size).astype(dtype)
+
+
+DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int32,
+          np.int64]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n,k", [(1, 1), (2, 2), (4, 3), (2, 1), (4, 2)])
+def test_sums_equal_numpy_for_all_dtypes_and_sizes(start_servers, n, k):
+    servers = start_servers(k, n)
+    # 1 element, not a multiple of the chunk size, several chunks
+    sizes = [1, 1000, 3 * SMALL // 4 + 5, 10 * SMALL]
+
+    def fn(rt):
+        out = {}
+        for dtype in DTYPES:
+            for size in sizes:
+                name = f"{np.dtype(dtype).name}/{size}"
+                x = contribution(rt.rank, size, dtype)
+                out[name] = rt.push_pull(name, x, average=False)
+        return out
+
+    results = run_workers(n, servers, fn, partition_bytes=SMALL)
+    for dtype in DTYPES:
+        for size in sizes:
+            name = f"{np.dtype(dtype).name}/{size}"
+            expected = sum(contribution(r, size, np.float64)
+                           for r in range(n)).astype(dtype)
+            for rank, res in enumerate(results):
+                got = res[name]
+                assert got.dtype == np.dtype(dtype), name
+                assert got.shape == (size,)
+                np.testing.assert_array_equal(got, expected, err_msg=name)
+
+
+@pytest.mark.timeout(120)
+def test_average_many_tensors_and_twenty_rounds(start_servers):
+    n = 2
+    servers = start_servers(2, n)
+    shapes = [(3, 5), (7,), (2, 3, 4), (), (1000,)]
+
+    def fn(rt):
+        history = []
+        for step in range(20):
+            arrays = [np.full(s, rt.rank + step, np.float32) for s in shapes]
+            names = [f"layer{i}" for i in range(len(shapes))]
+            history.append(rt.push_pull_async(names, arrays).wait())
+        return history
+
+    for history in run_workers(n, servers, fn, partition_bytes=1024):
+        for step, outs in enumerate(history):
+            for out, shape in zip(outs, shapes):
+                assert out.shape == shape
+                np.testing.assert_allclose(out, step + 0.5)
+
+
+@pytest.mark.timeout(120)
+def test_credit_smaller_than_a_tensor(start_servers):
+    servers = start_servers(1, 2)
+
+    def fn(rt):
+        return rt.push_pull("x", np.ones(50_000, np.float32), average=False)
+
+    for out in run_workers(2, servers, fn, partition_bytes=8192,
+                           credit_bytes=8192):
+        np.testing.assert_array_equal(out, 2)
+
+
+@pytest.mark.timeout(60)
+def test_missing_worker_times_out_naming_its_rank(start_servers):
+    servers = start_servers(1, 3, "--round-timeout", "2")
+    cfg = Config(servers=(servers[0].address,), num_workers=3, worker_rank=1,
+                 timeout=2.0)
+    rt = Runtime(cfg)
+    try:
+        with pytest.raises(errors.RoundTimeoutError,
+                           match=r"rank\(s\) \[0, 2\]"):
+            rt.push_pull("lonely", np.ones(10, np.float32))
+    finally:
+        rt.close()
+
+
+@pytest.mark.timeout(60)
+def test_mismatched_length_across_workers_is_rejected(start_servers):
+    servers = start_servers(1, 2)
+
+    def fn(rt):
+        try:
+            rt.push_pull("w", np.ones(4 + rt.rank, np.float32))
+        except errors.RequestRejectedError as err:
+            return str(err)
+        return None
+
+    results = run_workers(2, servers, fn, timeout=5.0)
+    messages = [m for m in results if m]
+    assert messages and all("length of key" in m for m in messages), results
+
+
+@pytest.mark.timeout(60)
+def test_bad_hello(start_servers):
+    servers = start_servers(1, 2, "--job-id", "jobA")
+    address = (servers[0].address,)
+    with pytest.raises(errors.RequestRejectedError, match="wrong num_workers"):
+        Runtime(Config(servers=address, num_workers=3, worker_rank=0,
+                       job_id="jobA"))
+    with pytest.raises(errors.RequestRejectedError, match="unknown job_id"):
+        Runtime(Config(servers=address, num_workers=2, worker_rank=0,
+                       job_id="jobB"))
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_server_is_named():
+    cfg = Config(servers=("127.0.0.1:1",), num_workers=1, timeout=1.0)
+    with pytest.raises(errors.ServerUnavailableError, match="127.0.0.1:1"):
+        Runtime(cfg)
+
+
+def test_local_bad_inputs():
+    rt = Runtime(Config())
+    with pytest.raises(TypeError, match="cannot send dtype complex64"):
+        rt.push_pull("c", np.ones(2, np.complex64))
+    with pytest.raises(TypeError, match="average=True needs a floating"):
+        rt.push_pull("i", np.ones(2, np.int32))
+    with pytest.raises(ValueError, match="the array is empty"):
+        rt.push_pull("e", np.ones((0, 3), np.float32))
+    with pytest.raises(ValueError, match="names must be unique"):
+        rt.push_pull_async(["a", "a"], [np.ones(1), np.ones(1)])
+    np.testing.assert_array_equal(rt.push_pull("x", np.arange(3.0)),
+                                  np.arange(3.0))

@@ -1,0 +1,169 @@
+"""The summation store, without gRPC."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxps.servers import Store, StoreError, _wire
+
+
+def push(store, key, rnd, rank, array, checksum=None):
+    payload = array.tobytes()
+    ticket = store.begin_push(
+        key=key, round=rnd, rank=rank, dtype_code=_wire.dtype_code(array.dtype),
+        length=array.size, payload=payload,
+        checksum=_wire.checksum(payload) if checksum is None else checksum,
+        name=f"t{key}")
+    if ticket is not None:
+        ticket.run()
+        store.finish_push(ticket)
+    return ticket
+
+
+def pull(store, key, rnd, rank, like):
+    _, result = store.pull(key=key, round=rnd, rank=rank,
+                           dtype_code=_wire.dtype_code(like.dtype),
+                           length=like.size)
+    return None if result is None else np.frombuffer(result, like.dtype)
+
+
+DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int32,
+          np.int64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_sum_matches_numpy(dtype, n, deterministic):
+    store = Store(n, deterministic=deterministic)
+    rng = np.random.default_rng(n)
+    parts = [rng.integers(-8, 8, size=37).astype(dtype) for _ in range(n)]
+    for rank in reversed(range(n)):
+        push(store, 7, 0, rank, parts[rank])
+    expected = np.sum(np.stack(parts).astype(np.float64), axis=0)
+    for rank in range(n):
+        got = pull(store, 7, 0, rank, parts[0])
+        np.testing.assert_array_equal(got.astype(np.float64), expected)
+    assert store.pending_rounds() == 0  # freed after all pulled
+
+
+def test_incomplete_round_is_not_answered():
+    store = Store(2)
+    x = np.ones(4, np.float32)
+    push(store, 1, 0, 0, x)
+    assert pull(store, 1, 0, 0, x) is None
+
+
+def test_half_precision_accumulates_in_float32():
+    n = 4
+    store = Store(n)
+    x = np.full(3, 2049, np.float16)  # 2049 is not a float16: rounds to 2048
+    small = np.full(3, 1, np.float16)
+    push(store, 1, 0, 0, x)
+    for rank in range(1, n):
+        push(store, 1, 0, rank, small)
+    got = pull(store, 1, 0, 0, x)
+    # float32 accumulation: 2048 + 3 = 2051 -> float16 2052; float16 chain
+    # would stay at 2048.
+    assert got[0] == np.float16(2051.0)
+
+
+def test_identical_retry_is_not_counted_twice():
+    store = Store(2)
+    x = np.arange(5, dtype=np.float32)
+    push(store, 1, 0, 0, x)
+    assert push(store, 1, 0, 0, x) is None
+    push(store, 1, 0, 1, x)
+    np.testing.assert_array_equal(pull(store, 1, 0, 0, x), 2 * x)
+
+
+def test_conflicting_duplicate_is_rejected():
+    store = Store(2)
+    push(store, 1, 0, 0, np.ones(3, np.float32))
+    with pytest.raises(StoreError, match="twice with different payloads") as e:
+        push(store, 1, 0, 0, np.zeros(3, np.float32))
+    assert e.value.code == "ABORTED"
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(dtype_code=_wire.dtype_code(np.float64)), r"dtype of key 1 \(t1\) is float64 but its first push had float32"),
+        (dict(length=4), r"length of key 1 \(t1\) is 4 but its first push had length=3"),
+    ],
+)
+def test_schema_mismatch(change, message):
+    store = Store(2)
+    push(store, 1, 0, 0, np.ones(3, np.float32))
+    args = dict(key=1, round=0, rank=1, dtype_code=_wire.dtype_code(
+        np.float32), length=3, payload=np.ones(3, np.float32).tobytes(),
+        checksum=0)
+    args.update(change)
+    if "length" in change:
+        args["payload"] = np.ones(4, np.float32).tobytes()
+    with pytest.raises(StoreError, match=message) as e:
+        store.begin_push(**args)
+    assert e.value.code == "INVALID_ARGUMENT"
+
+
+def test_payload_size_must_match_length():
+    store = Store(1)
+    with pytest.raises(StoreError, match="has 8 bytes but length=3"):
+        store.begin_push(key=1, round=0, rank=0, dtype_code=1, length=3,
+                         payload=b"\0" * 8, checksum=0)
+
+
+def test_unknown_dtype_and_rank_out_of_range():
+    store = Store(2)
+    with pytest.raises(StoreError, match="unknown dtype code 99"):
+        store.begin_push(key=1, round=0, rank=0, dtype_code=99, length=1,
+                         payload=b"\0" * 4, checksum=0)
+    with pytest.raises(StoreError, match="rank 2 out of range"):
+        push(store, 1, 0, 2, np.ones(1, np.float32))
+
+
+def test_rounds_from_the_past_and_too_far_ahead():
+    store = Store(1)
+    x = np.ones(2, np.float32)
+    push(store, 1, 0, 0, x)
+    pull(store, 1, 0, 0, x)
+    with pytest.raises(StoreError, match="from the past") as e:
+        push(store, 1, 0, 0, x)
+    assert e.value.code == "ABORTED"
+    with pytest.raises(StoreError, match="too far ahead") as e:
+        push(store, 1, 5, 0, x)
+    assert e.value.code == "FAILED_PRECONDITION"
+
+
+def test_consecutive_rounds_overlap_by_one():
+    store = Store(2)
+    x = np.ones(2, np.float32)
+    push(store, 1, 0, 0, x)
+    push(store, 1, 0, 1, x)
+    pull(store, 1, 0, 0, x)
+    push(store, 1, 1, 0, 3 * x)  # rank 0 is ahead; rank 1 has not pulled
+    np.testing.assert_array_equal(pull(store, 1, 0, 1, x), 2 * x)
+    push(store, 1, 1, 1, x)
+    np.testing.assert_array_equal(pull(store, 1, 1, 1, x), 4 * x)
+
+
+def test_timeout_names_missing_ranks():
+    store = Store(3, round_timeout=5.0)
+    x = np.ones(2, np.float32)
+    push(store, 1, 0, 1, x)
+    assert store.expire(now=1e12) == 1
+    with pytest.raises(StoreError, match=r"waiting for rank\(s\) \[0, 2\]"):
+        pull(store, 1, 0, 1, x)
+
+
+def test_deterministic_mode_is_bitwise_independent_of_arrival():
+    rng = np.random.default_rng(0)
+    parts = [rng.standard_normal(1000).astype(np.float32) * 10**i
+             for i in range(4)]
+    results = set()
+    for order in ([0, 1, 2, 3], [3, 2, 1, 0], [2, 0, 3, 1]):
+        store = Store(4, deterministic=True)
+        for rank in order:
+            push(store, 1, 0, rank, parts[rank])
+        results.add(pull(store, 1, 0, 0, parts[0]).tobytes())
+    assert len(results) == 1
