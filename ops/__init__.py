@@ -1,1 +1,11 @@
-"""The JAX side of jaxps (``jaxps.ops``): the push_pull primitive."""
+"""The JAX side of jaxps (``jaxps.ops``).
+
+`push_pull` is a JAX primitive (``jaxps_push_pull``) that lowers to a pair of
+XLA host callbacks: a start that hands the arrays to the worker runtime and a
+done that waits for the sums.
+"""
+
+from jaxps.ops._primitive import push_pull_p as push_pull_p
+from jaxps.ops._push_pull import push_pull as push_pull
+
+__all__ = ["push_pull", "push_pull_p"]

@@ -1,0 +1,57 @@
+"""Host side of the push_pull op: what the XLA host callbacks run.
+
+`start` hands the device's arrays to the worker runtime and returns a ticket
+at once, so the device program goes on while the chunks travel; `done` waits
+for the ticket's sums. A ticket is a small integer that flows from the start
+callback to the done callback as data, which orders the two in XLA.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import numpy as np
+
+from jaxps._src import errors, state
+
+_lock = threading.Lock()
+_tickets: dict[int, object] = {}
+_next = itertools.count(1)
+
+
+def shard_names(names: tuple[str, ...], shard: int) -> list[str]:
+    """Per-device tensor names: each device pushes its own shard."""
+    return [f"{n}@{shard}" for n in names]
+
+
+def start(names, average, priorities, shard, *arrays) -> np.ndarray:
+    """Starts push_pull of `arrays`; returns a ticket for `done`."""
+    runtime = state.runtime()
+    # The callback's arrays may alias device memory that is only valid during
+    # the call: copy them (this is the device-to-host copy).
+    copies = [np.array(a, copy=True) for a in arrays]
+    handle = runtime.push_pull_async(
+        shard_names(names, int(shard)), copies, average=average,
+        priorities=priorities)
+    ticket = next(_next)
+    with _lock:
+        _tickets[ticket] = handle
+    return np.int32(ticket & 0x7FFFFFFF)
+
+
+def done(ticket) -> tuple[np.ndarray, ...]:
+    """Waits for the sums of a ticket from `start`."""
+    with _lock:
+        handle = _tickets.pop(int(ticket), None)
+    if handle is None:
+        raise errors.JaxpsError(
+            f"push_pull ticket {int(ticket)} is unknown: its start did not run "
+            "in this process, or its result was already taken.")
+    return tuple(handle.wait())
+
+
+def pending() -> int:
+    """Number of started push_pulls whose result was not taken yet."""
+    with _lock:
+        return len(_tickets)

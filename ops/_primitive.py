@@ -1,0 +1,111 @@
+"""The ``jaxps_push_pull`` primitive and its rules.
+
+Operands are the arrays to sum plus an int32 shard index (the device's index
+on the local mesh axis, 0 outside of shard_map/pmap). It lowers to two XLA
+host callbacks: a start that hands the arrays to the runtime and returns a
+ticket at once, and a done that waits for the sums. push_pull is linear, so
+its JVP and its transpose are push_pulls of the tangents and cotangents.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from jaxps.ops import _host
+
+push_pull_p = Primitive("jaxps_push_pull")
+push_pull_p.multiple_results = True
+
+
+def bind(arrays, shard, *, names, average, priorities):
+    """Binds the primitive; returns the summed (or averaged) arrays."""
+    return push_pull_p.bind(*arrays, shard, names=tuple(names),
+                            average=bool(average),
+                            priorities=tuple(priorities))
+
+
+def _abstract_eval(*avals, names, average, priorities):
+    del average, priorities
+    *arrays, shard = avals
+    if len(arrays) != len(names):
+        raise ValueError(f"push_pull got {len(arrays)} arrays for "
+                         f"{len(names)} names.")
+    if shard.shape != () or shard.dtype != jnp.int32:
+        raise TypeError(f"push_pull shard index must be an int32 scalar, got "
+                        f"{shard.dtype}{list(shard.shape)}.")
+    return [jax.core.ShapedArray(a.shape, a.dtype) for a in arrays]
+
+
+def _impl(*args, names, average, priorities):
+    *arrays, shard = args
+    ticket = _host.start(names, average, priorities, np.asarray(shard),
+                         *[np.asarray(a) for a in arrays])
+    return [jnp.asarray(o) for o in _host.done(ticket)]
+
+
+def _callbacks(*args, names, average, priorities):
+    *arrays, shard = args
+    ticket = io_callback(
+        functools.partial(_host.start, names, average, priorities),
+        jax.ShapeDtypeStruct((), jnp.int32), shard, *arrays, ordered=False)
+    results = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+    return list(io_callback(_host.done, results, ticket, ordered=False))
+
+
+def _suffixed(names, suffix):
+    return tuple(f"{n}{suffix}" for n in names)
+
+
+def _jvp(primals, tangents, *, names, average, priorities):
+    *arrays, shard = primals
+    out = bind(arrays, shard, names=names, average=average,
+               priorities=priorities)
+    tangents = [ad.instantiate_zeros(t) for t in tangents[:-1]]
+    tangent_out = bind(tangents, shard, names=_suffixed(names, "/jvp"),
+                       average=average, priorities=priorities)
+    return out, tangent_out
+
+
+def _transpose(cotangents, *args, names, average, priorities):
+    *arrays, shard = args
+    if ad.is_undefined_primal(shard):
+        raise ValueError("push_pull is not linear in its shard index.")
+    cts = [ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct
+           for ct in cotangents]
+    outs = bind(cts, shard, names=_suffixed(names, "/T"), average=average,
+                priorities=priorities)
+    return [*outs, None]
+
+
+def _batch(args, dims, *, names, average, priorities):
+    *arrays, shard = args
+    *array_dims, shard_dim = dims
+    if shard_dim is not None:
+        raise ValueError("push_pull cannot vmap over its shard index; use "
+                         "shard_map or pmap with axis_name instead.")
+    moved = [a if d is None else jnp.moveaxis(a, d, 0)
+             for a, d in zip(arrays, array_dims)]
+    names = tuple(
+        n if d is None else f"{n}/vmap{a.shape[0]}"
+        for n, a, d in zip(names, moved, array_dims))
+    outs = bind(moved, shard, names=names, average=average,
+                priorities=priorities)
+    out_dims = [None if d is None else 0
+                for d in array_dims]
+    return outs, out_dims
+
+
+push_pull_p.def_impl(_impl)
+push_pull_p.def_abstract_eval(_abstract_eval)
+mlir.register_lowering(push_pull_p,
+                       mlir.lower_fun(_callbacks, multiple_results=True))
+ad.primitive_jvps[push_pull_p] = _jvp
+ad.primitive_transposes[push_pull_p] = _transpose
+batching.primitive_batchers[push_pull_p] = _batch

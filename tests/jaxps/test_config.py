@@ -1,0 +1,53 @@
+"""Config: arguments first, JAXPS_* environment second, then defaults."""
+
+import pytest
+
+from jaxps import Config, errors
+
+
+def test_defaults():
+    cfg = Config()
+    assert cfg.servers == () and cfg.num_workers == 1
+    assert cfg.partition_bytes == 4 * 1024 * 1024
+
+
+def test_environment_and_precedence():
+    env = {"JAXPS_SERVERS": "a:1, b:2", "JAXPS_NUM_WORKERS": "4",
+           "JAXPS_WORKER_RANK": "3", "JAXPS_TIMEOUT": "2.5",
+           "JAXPS_PARTITION_BYTES": "1024"}
+    cfg = Config.from_env(env)
+    assert cfg.servers == ("a:1", "b:2")
+    assert (cfg.num_workers, cfg.worker_rank) == (4, 3)
+    assert cfg.timeout == 2.5 and cfg.partition_bytes == 1024
+    cfg = Config.from_env(env, worker_rank=1, servers=["c:3"])
+    assert cfg.worker_rank == 1 and cfg.servers == ("c:3",)
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(num_workers=0), "num_workers must be an int >= 1. Got "
+                              "num_workers=0"),
+        (dict(num_workers=2, worker_rank=2, servers=("a:1",)),
+         r"worker_rank must be in \[0, num_workers=2\)"),
+        (dict(timeout=-1), "timeout must be a positive number"),
+        (dict(servers=("nohost",)), "server address must be host:port"),
+        (dict(servers=("a:1", "a:1"), num_workers=2), "lists an address twice"),
+        (dict(num_workers=2), "needs summation servers"),
+        (dict(partition_bytes="4"), "partition_bytes must be an int"),
+        (dict(job_id=""), "job_id must be a non-empty string"),
+    ],
+)
+def test_invalid_settings_are_named(settings, message):
+    with pytest.raises(errors.ConfigError, match=message):
+        Config.from_env({}, **settings)
+
+
+def test_bad_environment_value_names_the_variable():
+    with pytest.raises(errors.ConfigError, match="JAXPS_NUM_WORKERS=.x."):
+        Config.from_env({"JAXPS_NUM_WORKERS": "x"})
+
+
+def test_unknown_setting():
+    with pytest.raises(errors.ConfigError, match="unknown jaxps setting"):
+        Config.from_env({}, num_servers=3)
