@@ -32,8 +32,11 @@ def start(names, average, priorities, shard, *arrays) -> np.ndarray:
     # the call: copy them (this is the device-to-host copy).
     copies = [np.array(a, copy=True) for a in arrays]
     handle = runtime.push_pull_async(
-        shard_names(names, int(shard)), copies, average=average,
-        priorities=priorities)
+        shard_names(names, int(shard)),
+        copies,
+        average=average,
+        priorities=priorities,
+    )
     ticket = next(_next)
     with _lock:
         _tickets[ticket] = handle
@@ -47,7 +50,8 @@ def done(ticket) -> tuple[np.ndarray, ...]:
     if handle is None:
         raise errors.JaxpsError(
             f"push_pull ticket {int(ticket)} is unknown: its start did not run "
-            "in this process, or its result was already taken.")
+            "in this process, or its result was already taken."
+        )
     return tuple(handle.wait())
 
 

@@ -17,7 +17,6 @@ import numpy as np
 from jax.experimental import io_callback
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
-
 from jaxps.ops import _host
 
 push_pull_p = Primitive("jaxps_push_pull")
@@ -26,27 +25,39 @@ push_pull_p.multiple_results = True
 
 def bind(arrays, shard, *, names, average, priorities):
     """Binds the primitive; returns the summed (or averaged) arrays."""
-    return push_pull_p.bind(*arrays, shard, names=tuple(names),
-                            average=bool(average),
-                            priorities=tuple(priorities))
+    return push_pull_p.bind(
+        *arrays,
+        shard,
+        names=tuple(names),
+        average=bool(average),
+        priorities=tuple(priorities),
+    )
 
 
 def _abstract_eval(*avals, names, average, priorities):
     del average, priorities
     *arrays, shard = avals
     if len(arrays) != len(names):
-        raise ValueError(f"push_pull got {len(arrays)} arrays for "
-                         f"{len(names)} names.")
+        raise ValueError(
+            f"push_pull got {len(arrays)} arrays for {len(names)} names."
+        )
     if shard.shape != () or shard.dtype != jnp.int32:
-        raise TypeError(f"push_pull shard index must be an int32 scalar, got "
-                        f"{shard.dtype}{list(shard.shape)}.")
+        raise TypeError(
+            f"push_pull shard index must be an int32 scalar, got "
+            f"{shard.dtype}{list(shard.shape)}."
+        )
     return [jax.core.ShapedArray(a.shape, a.dtype) for a in arrays]
 
 
 def _impl(*args, names, average, priorities):
     *arrays, shard = args
-    ticket = _host.start(names, average, priorities, np.asarray(shard),
-                         *[np.asarray(a) for a in arrays])
+    ticket = _host.start(
+        names,
+        average,
+        priorities,
+        np.asarray(shard),
+        *[np.asarray(a) for a in arrays],
+    )
     return [jnp.asarray(o) for o in _host.done(ticket)]
 
 
@@ -54,7 +65,11 @@ def _callbacks(*args, names, average, priorities):
     *arrays, shard = args
     ticket = io_callback(
         functools.partial(_host.start, names, average, priorities),
-        jax.ShapeDtypeStruct((), jnp.int32), shard, *arrays, ordered=False)
+        jax.ShapeDtypeStruct((), jnp.int32),
+        shard,
+        *arrays,
+        ordered=False,
+    )
     results = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
     return list(io_callback(_host.done, results, ticket, ordered=False))
 
@@ -65,11 +80,17 @@ def _suffixed(names, suffix):
 
 def _jvp(primals, tangents, *, names, average, priorities):
     *arrays, shard = primals
-    out = bind(arrays, shard, names=names, average=average,
-               priorities=priorities)
+    out = bind(
+        arrays, shard, names=names, average=average, priorities=priorities
+    )
     tangents = [ad.instantiate_zeros(t) for t in tangents[:-1]]
-    tangent_out = bind(tangents, shard, names=_suffixed(names, "/jvp"),
-                       average=average, priorities=priorities)
+    tangent_out = bind(
+        tangents,
+        shard,
+        names=_suffixed(names, "/jvp"),
+        average=average,
+        priorities=priorities,
+    )
     return out, tangent_out
 
 
@@ -77,10 +98,17 @@ def _transpose(cotangents, *args, names, average, priorities):
     *arrays, shard = args
     if ad.is_undefined_primal(shard):
         raise ValueError("push_pull is not linear in its shard index.")
-    cts = [ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct
-           for ct in cotangents]
-    outs = bind(cts, shard, names=_suffixed(names, "/T"), average=average,
-                priorities=priorities)
+    cts = [
+        ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct
+        for ct in cotangents
+    ]
+    outs = bind(
+        cts,
+        shard,
+        names=_suffixed(names, "/T"),
+        average=average,
+        priorities=priorities,
+    )
     return [*outs, None]
 
 
@@ -88,24 +116,30 @@ def _batch(args, dims, *, names, average, priorities):
     *arrays, shard = args
     *array_dims, shard_dim = dims
     if shard_dim is not None:
-        raise ValueError("push_pull cannot vmap over its shard index; use "
-                         "shard_map or pmap with axis_name instead.")
-    moved = [a if d is None else jnp.moveaxis(a, d, 0)
-             for a, d in zip(arrays, array_dims)]
+        raise ValueError(
+            "push_pull cannot vmap over its shard index; use "
+            "shard_map or pmap with axis_name instead."
+        )
+    moved = [
+        a if d is None else jnp.moveaxis(a, d, 0)
+        for a, d in zip(arrays, array_dims)
+    ]
     names = tuple(
         n if d is None else f"{n}/vmap{a.shape[0]}"
-        for n, a, d in zip(names, moved, array_dims))
-    outs = bind(moved, shard, names=names, average=average,
-                priorities=priorities)
-    out_dims = [None if d is None else 0
-                for d in array_dims]
+        for n, a, d in zip(names, moved, array_dims)
+    )
+    outs = bind(
+        moved, shard, names=names, average=average, priorities=priorities
+    )
+    out_dims = [None if d is None else 0 for d in array_dims]
     return outs, out_dims
 
 
 push_pull_p.def_impl(_impl)
 push_pull_p.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(push_pull_p,
-                       mlir.lower_fun(_callbacks, multiple_results=True))
+mlir.register_lowering(
+    push_pull_p, mlir.lower_fun(_callbacks, multiple_results=True)
+)
 ad.primitive_jvps[push_pull_p] = _jvp
 ad.primitive_transposes[push_pull_p] = _transpose
 batching.primitive_batchers[push_pull_p] = _batch

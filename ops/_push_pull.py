@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jaxps.ops import _primitive
 
 from jaxps._src import state
-from jaxps.ops import _primitive
 
 
 def leaf_names(tree, name: str) -> tuple[str, ...]:
@@ -16,11 +16,18 @@ def leaf_names(tree, name: str) -> tuple[str, ...]:
     return tuple(
         f"{name}{jax.tree_util.keystr(path)}:{jnp.result_type(leaf)}"
         f"{list(jnp.shape(leaf))}"
-        for path, leaf in leaves)
+        for path, leaf in leaves
+    )
 
 
-def push_pull(tree, *, average: bool = True, name: str = "push_pull",
-              axis_name=None, priorities=None):
+def push_pull(
+    tree,
+    *,
+    average: bool = True,
+    name: str = "push_pull",
+    axis_name=None,
+    priorities=None,
+):
     """Sums (or averages) every leaf of `tree` over all workers.
 
     Works eagerly and under `jax.jit`, `jax.grad` (it is linear), `jax.vmap`,
@@ -58,19 +65,28 @@ def push_pull(tree, *, average: bool = True, name: str = "push_pull",
         priorities = [-i for i in range(len(leaves))]
     priorities = tuple(int(p) for p in priorities)
     if len(priorities) != len(leaves):
-        raise ValueError(f"push_pull got {len(priorities)} priorities for "
-                         f"{len(leaves)} leaves.")
+        raise ValueError(
+            f"push_pull got {len(priorities)} priorities for "
+            f"{len(leaves)} leaves."
+        )
     for n, leaf in zip(names, leaves):
-        if average and not jnp.issubdtype(jnp.result_type(leaf),
-                                          jnp.inexact):
-            raise TypeError(f"push_pull of {n}: average=True needs a floating "
-                            "dtype; pass average=False to sum integers.")
+        if average and not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+            raise TypeError(
+                f"push_pull of {n}: average=True needs a floating "
+                "dtype; pass average=False to sum integers."
+            )
     if axis_name is None:
-        outs = _primitive.bind(leaves, jnp.int32(0), names=names,
-                               average=average, priorities=priorities)
+        outs = _primitive.bind(
+            leaves,
+            jnp.int32(0),
+            names=names,
+            average=average,
+            priorities=priorities,
+        )
     else:
-        outs = _hierarchical(leaves, names, priorities, axis_name,
-                             average, runtime.size)
+        outs = _hierarchical(
+            leaves, names, priorities, axis_name, average, runtime.size
+        )
     return jax.tree_util.tree_unflatten(treedef, outs)
 
 
@@ -85,8 +101,9 @@ def _hierarchical(leaves, names, priorities, axis_name, average, workers):
             flat = jnp.pad(flat, (0, pad))
         shards.append(lax.psum_scatter(flat, axis_name, tiled=True))
         pads.append(pad)
-    sums = _primitive.bind(shards, index, names=names, average=False,
-                           priorities=priorities)
+    sums = _primitive.bind(
+        shards, index, names=names, average=False, priorities=priorities
+    )
     outs = []
     for leaf, total, pad in zip(leaves, sums, pads):
         if average:

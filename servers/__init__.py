@@ -12,5 +12,11 @@ from ._server import serve as serve
 from ._store import Store as Store
 from ._store import StoreError as StoreError
 
-__all__ = ["ServerOptions", "Store", "StoreError", "create_server", "main",
-           "serve"]
+__all__ = [
+    "ServerOptions",
+    "Store",
+    "StoreError",
+    "create_server",
+    "main",
+    "serve",
+]

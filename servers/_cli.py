@@ -20,26 +20,53 @@ def _parser() -> argparse.ArgumentParser:
         "chunks pushed by all workers and answers their pulls.",
     )
     d = _server.ServerOptions()
-    p.add_argument("--host", default=d.host,
-                   help="interface to bind (default %(default)s; use 0.0.0.0 "
-                   "to serve other machines)")
-    p.add_argument("--port", type=int, default=d.port,
-                   help="TCP port, 0 for a free one (default %(default)s)")
-    p.add_argument("--num-workers", type=int,
-                   default=os.environ.get("JAXPS_NUM_WORKERS"),
-                   help="number of worker ranks (default $JAXPS_NUM_WORKERS)")
-    p.add_argument("--job-id", default=None,
-                   help="job id to accept (default: the first worker's)")
-    p.add_argument("--engine-threads", type=int, default=d.engine_threads,
-                   help="summation threads (default %(default)s)")
-    p.add_argument("--round-timeout", type=float, default=d.round_timeout,
-                   help="seconds before an incomplete round fails for every "
-                   "worker (default %(default)s)")
-    p.add_argument("--deterministic", action="store_true",
-                   help="sum in rank order for bitwise reproducible sums")
-    p.add_argument("--max-message-bytes", type=int,
-                   default=d.max_message_bytes,
-                   help="largest accepted message (default %(default)s)")
+    p.add_argument(
+        "--host",
+        default=d.host,
+        help="interface to bind (default %(default)s; use 0.0.0.0 "
+        "to serve other machines)",
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=d.port,
+        help="TCP port, 0 for a free one (default %(default)s)",
+    )
+    p.add_argument(
+        "--num-workers",
+        type=int,
+        default=os.environ.get("JAXPS_NUM_WORKERS"),
+        help="number of worker ranks (default $JAXPS_NUM_WORKERS)",
+    )
+    p.add_argument(
+        "--job-id",
+        default=None,
+        help="job id to accept (default: the first worker's)",
+    )
+    p.add_argument(
+        "--engine-threads",
+        type=int,
+        default=d.engine_threads,
+        help="summation threads (default %(default)s)",
+    )
+    p.add_argument(
+        "--round-timeout",
+        type=float,
+        default=d.round_timeout,
+        help="seconds before an incomplete round fails for every "
+        "worker (default %(default)s)",
+    )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="sum in rank order for bitwise reproducible sums",
+    )
+    p.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=d.max_message_bytes,
+        help="largest accepted message (default %(default)s)",
+    )
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -48,20 +75,24 @@ def main(argv: list[str] | None = None) -> int:
     """Runs ``jaxps-server``; returns its exit code."""
     parser = _parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
     if args.num_workers is None:
         parser.error("--num-workers is required (or set JAXPS_NUM_WORKERS)")
     try:
         num_workers = int(args.num_workers)
     except ValueError:
-        parser.error(f"--num-workers must be an integer, got "
-                     f"{args.num_workers!r}")
+        parser.error(
+            f"--num-workers must be an integer, got {args.num_workers!r}"
+        )
     for name in ("num_workers", "engine_threads", "max_message_bytes"):
         value = num_workers if name == "num_workers" else getattr(args, name)
         if value < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got "
-                         f"{value}")
+            parser.error(
+                f"--{name.replace('_', '-')} must be >= 1, got {value}"
+            )
     if not 0 <= args.port < 65536:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     if args.round_timeout <= 0:

@@ -77,11 +77,13 @@ class Server:
 
     async def start(self) -> None:
         await self.grpc_server.start()
-        await self.health.set(SERVICE_NAME,
-                              health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(
+            SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING
+        )
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._expiry = asyncio.get_running_loop().create_task(
-            self.servicer.expire_forever())
+            self.servicer.expire_forever()
+        )
 
     async def stop(self, grace: float | None = None) -> None:
         """Marks the server NOT_SERVING, then stops it after `grace` s."""

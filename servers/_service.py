@@ -55,7 +55,8 @@ class SummationServicer(pb_grpc.SummationServicer):
         self.incarnation = secrets.token_hex(8)
         self._engines = [
             concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix=f"jaxps-engine-{i}")
+                1, thread_name_prefix=f"jaxps-engine-{i}"
+            )
             for i in range(max(1, engine_threads))
         ]
 
@@ -87,7 +88,8 @@ class SummationServicer(pb_grpc.SummationServicer):
     async def Hello(self, request, context):
         try:
             self._check_header(
-                pb.Header(version=request.version, job_id=request.job_id))
+                pb.Header(version=request.version, job_id=request.job_id)
+            )
             self.store._check_rank(request.rank)
             if request.num_workers != self.store.num_workers:
                 raise _store.StoreError(
@@ -110,16 +112,20 @@ class SummationServicer(pb_grpc.SummationServicer):
         try:
             self._check_header(h)
             ticket = self.store.begin_push(
-                key=h.key, round=h.round, rank=h.rank, dtype_code=h.dtype,
-                length=h.length, payload=request.payload,
-                checksum=request.checksum, name=h.name,
+                key=h.key,
+                round=h.round,
+                rank=h.rank,
+                dtype_code=h.dtype,
+                length=h.length,
+                payload=request.payload,
+                checksum=request.checksum,
+                name=h.name,
             )
         except _store.StoreError as err:
             await self._abort(context, err)
         if ticket is not None:
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._engines[ticket.engine],
-                                       ticket.run)
+            await loop.run_in_executor(self._engines[ticket.engine], ticket.run)
             self.store.finish_push(ticket)
         return pb.PushReply(incarnation=self.incarnation)
 
@@ -129,8 +135,12 @@ class SummationServicer(pb_grpc.SummationServicer):
         try:
             self._check_header(h)
             rnd, result = store.pull(
-                key=h.key, round=h.round, rank=h.rank, dtype_code=h.dtype,
-                length=h.length)
+                key=h.key,
+                round=h.round,
+                rank=h.rank,
+                dtype_code=h.dtype,
+                length=h.length,
+            )
             if result is None:
                 await self._wait(rnd, context)
                 store.fail_if_late(h.key, rnd, time.monotonic())

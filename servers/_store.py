@@ -96,8 +96,11 @@ class PushTicket:
             return rnd.result is not None
         if n == 1:
             rnd.summed = 1
-            rnd.result = data.tobytes() if not isinstance(
-                data.base, bytes) else data.base
+            rnd.result = (
+                data.tobytes()
+                if not isinstance(data.base, bytes)
+                else data.base
+            )
             return True
         if rnd.summed == 0:
             rnd.parts[self.rank] = data  # defer: the next push adds into it
@@ -212,7 +215,8 @@ class Store:
         data = np.frombuffer(payload, dtype=dtype)
         self.bytes_summed += len(payload)
         return PushTicket(
-            k, rnd, rank, data, self.num_workers, self.deterministic)
+            k, rnd, rank, data, self.num_workers, self.deterministic
+        )
 
     def finish_push(self, ticket: PushTicket) -> None:
         """Wakes the pulls of a round that `ticket.run()` completed."""
@@ -224,8 +228,14 @@ class Store:
     # -- pulls -------------------------------------------------------------
 
     def pull(
-        self, *, key: int, round: int, rank: int, dtype_code: int,
-        length: int, now: float | None = None,
+        self,
+        *,
+        key: int,
+        round: int,
+        rank: int,
+        dtype_code: int,
+        length: int,
+        now: float | None = None,
     ) -> tuple[Round, bytes | None]:
         """Returns the round and its sum, or None if it is not complete."""
         self._check_rank(rank)
@@ -233,7 +243,8 @@ class Store:
         if k is None:
             raise StoreError(
                 "FAILED_PRECONDITION",
-                f"pull of unknown key {key} round {round}: push it first.")
+                f"pull of unknown key {key} round {round}: push it first.",
+            )
         self._check_schema(k, dtype_code, length)
         rnd = self._round(k, round, now)
         if rnd.error is not None:
@@ -271,8 +282,11 @@ class Store:
 
     def fail_if_late(self, key: int, rnd: Round, now: float) -> None:
         """Fails `rnd` if it is incomplete past its deadline."""
-        if rnd.result is None and rnd.error is None and now >= self.deadline(
-                rnd):
+        if (
+            rnd.result is None
+            and rnd.error is None
+            and now >= self.deadline(rnd)
+        ):
             self._fail(self._keys[key], rnd)
 
     def expire(self, now: float | None = None) -> int:
@@ -294,8 +308,9 @@ class Store:
         k = self._keys.get(key)
         rnd = None if k is None else k.rounds.get(number)
         if rnd is not None and rnd.result is None and rnd.error is None:
-            rnd.error = StoreError(err.code, f"round {number} failed: "
-                                   f"{err.message}")
+            rnd.error = StoreError(
+                err.code, f"round {number} failed: {err.message}"
+            )
             rnd.parts = {}
             rnd.acc = None
             self._wake(rnd)
@@ -338,9 +353,12 @@ class Store:
             if length < 1:
                 raise StoreError(
                     "INVALID_ARGUMENT",
-                    f"length of key {key} must be >= 1, got {length}.")
-            engine = min(range(len(self._engine_bytes)),
-                         key=self._engine_bytes.__getitem__)
+                    f"length of key {key} must be >= 1, got {length}.",
+                )
+            engine = min(
+                range(len(self._engine_bytes)),
+                key=self._engine_bytes.__getitem__,
+            )
             self._engine_bytes[engine] += length * dtype.itemsize
             k = Key(key, name, dtype_code, length, engine)
             self._keys[key] = k

@@ -10,7 +10,6 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 import pytest  # noqa: E402
-
 from jaxps.servers._cli import READY_PREFIX  # noqa: E402
 
 
@@ -19,17 +18,28 @@ class ServerProcess:
 
     def __init__(self, num_workers: int, *extra: str):
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxps.servers", "--port", "0",
-             "--num-workers", str(num_workers), *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "jaxps.servers",
+                "--port",
+                "0",
+                "--num-workers",
+                str(num_workers),
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
             start_new_session=True,
         )
         line = self.proc.stdout.readline()
         if not line.startswith(READY_PREFIX):
             self.stop()
             raise RuntimeError(
-                f"server did not start: {line!r} {self.proc.stderr.read()}")
-        self.address = line[len(READY_PREFIX):].strip()
+                f"server did not start: {line!r} {self.proc.stderr.read()}"
+            )
+        self.address = line[len(READY_PREFIX) :].strip()
 
     def stop(self, sig=None) -> None:
         if self.proc.poll() is None:

@@ -6,12 +6,12 @@ import random
 import time
 
 import grpc
-
-from jaxps._src import errors
 from jaxps.servers import _wire
 from jaxps.servers import jaxps_pb2 as pb
 from jaxps.servers import jaxps_pb2_grpc as pb_grpc
 from jaxps.servers._server import channel_options
+
+from jaxps._src import errors
 
 #: Attempts for a call that fails with UNAVAILABLE (a push is deduplicated by
 #: the server, so retrying it is safe).
@@ -31,8 +31,7 @@ _REJECTED = {
 class ServerClient:
     """Talks to one server: hello, push and pull, each with a deadline."""
 
-    def __init__(self, address: str, *, max_message_bytes: int,
-                 timeout: float):
+    def __init__(self, address: str, *, max_message_bytes: int, timeout: float):
         self.address = address
         self.timeout = timeout
         options = channel_options(max_message_bytes) + [
@@ -50,27 +49,36 @@ class ServerClient:
     def hello(self, *, job_id: str, rank: int, num_workers: int) -> str:
         """Waits up to `timeout` for the server; checks job and size."""
         request = pb.HelloRequest(
-            version=_wire.PROTOCOL_VERSION, job_id=job_id, rank=rank,
-            num_workers=num_workers)
+            version=_wire.PROTOCOL_VERSION,
+            job_id=job_id,
+            rank=rank,
+            num_workers=num_workers,
+        )
         try:
-            reply = self._stub.Hello(request, timeout=self.timeout,
-                                     wait_for_ready=True)
+            reply = self._stub.Hello(
+                request, timeout=self.timeout, wait_for_ready=True
+            )
         except grpc.RpcError as err:
-            if err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED,
-                              grpc.StatusCode.UNAVAILABLE):
+            if err.code() in (
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.UNAVAILABLE,
+            ):
                 raise errors.ServerUnavailableError(
                     f"server {self.address} did not answer within "
                     f"{self.timeout:g} s (rank {rank}, job {job_id!r}): is "
-                    "jaxps-server running there?") from None
+                    "jaxps-server running there?"
+                ) from None
             raise self.translate(err, "hello") from None
         self.incarnation = reply.incarnation
         return reply.incarnation
 
-    def push(self, header: pb.Header, payload: bytes, checksum: int,
-             deadline: float) -> None:
+    def push(
+        self, header: pb.Header, payload: bytes, checksum: int, deadline: float
+    ) -> None:
         """Pushes one chunk; retries UNAVAILABLE until `deadline`."""
-        request = pb.PushRequest(header=header, payload=payload,
-                                 checksum=checksum)
+        request = pb.PushRequest(
+            header=header, payload=payload, checksum=checksum
+        )
         reply = self._call(self._stub.Push, request, deadline, header, "push")
         self._check_incarnation(reply.incarnation, header)
 
@@ -78,7 +86,8 @@ class ServerClient:
         """Starts a pull; returns a grpc future of the PullReply."""
         request = pb.PullRequest(header=header)
         return self._stub.Pull.future(
-            request, timeout=max(0.01, deadline - time.monotonic()))
+            request, timeout=max(0.01, deadline - time.monotonic())
+        )
 
     def pull(self, header: pb.Header, deadline: float) -> bytes:
         """Pulls one chunk's sum, blocking; retries UNAVAILABLE."""
@@ -95,9 +104,11 @@ class ServerClient:
             try:
                 return method(request, timeout=max(0.01, remaining))
             except grpc.RpcError as err:
-                retry = (err.code() == grpc.StatusCode.UNAVAILABLE
-                         and attempt < RETRIES
-                         and deadline - time.monotonic() > 0.2)
+                retry = (
+                    err.code() == grpc.StatusCode.UNAVAILABLE
+                    and attempt < RETRIES
+                    and deadline - time.monotonic() > 0.2
+                )
                 if not retry:
                     raise self.translate(err, what, header) from None
             time.sleep(min(1.0, 0.05 * 2**attempt) * random.uniform(0.5, 1.5))
@@ -110,10 +121,12 @@ class ServerClient:
             raise errors.ServerRestartedError(
                 f"server {self.address} restarted during the job (while "
                 f"serving {header.name or header.key} round {header.round}) "
-                "and lost its rounds; restart the job.")
+                "and lost its rounds; restart the job."
+            )
 
-    def translate(self, err: grpc.RpcError, what: str,
-                  header: pb.Header | None = None) -> errors.JaxpsError:
+    def translate(
+        self, err: grpc.RpcError, what: str, header: pb.Header | None = None
+    ) -> errors.JaxpsError:
         """Turns a grpc error into the matching jaxps error."""
         code, details = err.code(), err.details() or ""
         where = f"server {self.address}"
@@ -127,11 +140,14 @@ class ServerClient:
                 return errors.RoundTimeoutError(f"{where}: {details}")
             return errors.RoundTimeoutError(
                 f"{where}: no answer within the deadline ({self.timeout:g} s "
-                "timeout); a worker or the server is stuck or gone.")
+                "timeout); a worker or the server is stuck or gone."
+            )
         if code in _REJECTED:
             return errors.RequestRejectedError(
-                f"{where} rejected the request ({code.name}): {details}")
+                f"{where} rejected the request ({code.name}): {details}"
+            )
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
             return errors.ServerUnavailableError(
-                f"{where} is unavailable ({code.name}): {details}")
+                f"{where} is unavailable ({code.name}): {details}"
+            )
         return errors.JaxpsError(f"{where} failed ({code.name}): {details}")

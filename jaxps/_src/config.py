@@ -58,27 +58,32 @@ class Config:
         if self.worker_rank >= self.num_workers:
             raise errors.ConfigError(
                 f"worker_rank must be in [0, num_workers={self.num_workers}). "
-                f"Got worker_rank={self.worker_rank}.")
+                f"Got worker_rank={self.worker_rank}."
+            )
         _check_int("partition_bytes", self.partition_bytes, low=8)
         _check_int("credit_bytes", self.credit_bytes, low=1)
         if not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
             raise errors.ConfigError(
                 f"timeout must be a positive number of seconds. Got "
-                f"timeout={self.timeout!r} of type {type(self.timeout)}.")
+                f"timeout={self.timeout!r} of type {type(self.timeout)}."
+            )
         if not isinstance(self.job_id, str) or not self.job_id:
             raise errors.ConfigError(
                 f"job_id must be a non-empty string. Got job_id="
-                f"{self.job_id!r}.")
+                f"{self.job_id!r}."
+            )
         for server in self.servers:
             _check_address(server)
         if len(set(self.servers)) != len(self.servers):
             raise errors.ConfigError(
-                f"servers lists an address twice: {list(self.servers)}.")
+                f"servers lists an address twice: {list(self.servers)}."
+            )
         if not self.servers and self.num_workers > 1:
             raise errors.ConfigError(
                 f"num_workers={self.num_workers} needs summation servers: "
                 "pass servers=['host:port', ...] or set JAXPS_SERVERS (or "
-                "start the job with jaxps-launch).")
+                "start the job with jaxps-launch)."
+            )
 
     @classmethod
     def from_env(
@@ -93,7 +98,8 @@ class Config:
         if unknown:
             raise errors.ConfigError(
                 f"unknown jaxps setting(s) {sorted(unknown)}; known: "
-                f"{sorted(f.name for f in dataclasses.fields(cls))}.")
+                f"{sorted(f.name for f in dataclasses.fields(cls))}."
+            )
         values: dict[str, Any] = {}
         for field in dataclasses.fields(cls):
             value = overrides.get(field.name)
@@ -122,14 +128,16 @@ def _parse(name: str, text: str) -> Any:
         return int(text)
     except ValueError:
         raise errors.ConfigError(
-            f"{var} must be a number. Got {var}={text!r}.") from None
+            f"{var} must be a number. Got {var}={text!r}."
+        ) from None
 
 
 def _check_int(name: str, value: Any, *, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise errors.ConfigError(
             f"{name} must be an int >= {low}. Got {name}={value!r} of type "
-            f"{type(value).__name__}.")
+            f"{type(value).__name__}."
+        )
 
 
 def _check_address(server: str) -> None:
@@ -137,4 +145,5 @@ def _check_address(server: str) -> None:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise errors.ConfigError(
             f"server address must be host:port with a port in [1, 65535]. "
-            f"Got {server!r}.")
+            f"Got {server!r}."
+        )

@@ -46,8 +46,10 @@ _TICK = 0.1
 #: Called with each line a child prints, then with None at the end.
 _LineCallback = Callable[[str | None], None]
 
-_USAGE = ("jaxps-launch [-h] --workers N --servers K [--timeout SECONDS] "
-          "[--job-id ID] [--engine-threads T] -- CMD [ARGS ...]")
+_USAGE = (
+    "jaxps-launch [-h] --workers N --servers K [--timeout SECONDS] "
+    "[--job-id ID] [--engine-threads T] -- CMD [ARGS ...]"
+)
 
 
 class LaunchError(Exception):
@@ -98,23 +100,50 @@ def _parser() -> argparse.ArgumentParser:
         epilog="example: jaxps-launch --workers 2 --servers 1 -- "
         "python train.py --lr 0.1",
     )
-    p.add_argument("-w", "--workers", type=int, required=True, metavar="N",
-                   help="number of worker processes (>= 1)")
-    p.add_argument("-s", "--servers", type=int, required=True, metavar="K",
-                   help="number of summation servers (>= 0; 0 only with one "
-                   "worker)")
-    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
-                   help="seconds any jaxps wait may take, given to workers as "
-                   "JAXPS_TIMEOUT and to servers as --round-timeout "
-                   "(default $JAXPS_TIMEOUT, else 60)")
-    p.add_argument("--job-id", default=None, metavar="ID",
-                   help="job id shared by servers and workers (default: a "
-                   "random jaxps-<hex>)")
-    p.add_argument("--engine-threads", type=int,
-                   default=ServerOptions.engine_threads, metavar="T",
-                   help="summation threads per server (default %(default)s)")
-    p.add_argument("command", nargs=argparse.REMAINDER,
-                   help="the worker command, after '--'")
+    p.add_argument(
+        "-w",
+        "--workers",
+        type=int,
+        required=True,
+        metavar="N",
+        help="number of worker processes (>= 1)",
+    )
+    p.add_argument(
+        "-s",
+        "--servers",
+        type=int,
+        required=True,
+        metavar="K",
+        help="number of summation servers (>= 0; 0 only with one worker)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds any jaxps wait may take, given to workers as "
+        "JAXPS_TIMEOUT and to servers as --round-timeout "
+        "(default $JAXPS_TIMEOUT, else 60)",
+    )
+    p.add_argument(
+        "--job-id",
+        default=None,
+        metavar="ID",
+        help="job id shared by servers and workers (default: a "
+        "random jaxps-<hex>)",
+    )
+    p.add_argument(
+        "--engine-threads",
+        type=int,
+        default=ServerOptions.engine_threads,
+        metavar="T",
+        help="summation threads per server (default %(default)s)",
+    )
+    p.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        help="the worker command, after '--'",
+    )
     return p
 
 
@@ -124,7 +153,7 @@ def _split_command(argv: Sequence[str]) -> tuple[list[str], list[str] | None]:
     if "--" not in argv:
         return argv, None
     i = argv.index("--")
-    return argv[:i], argv[i + 1:]
+    return argv[:i], argv[i + 1 :]
 
 
 def _default_timeout(parser: argparse.ArgumentParser) -> float:
@@ -138,26 +167,34 @@ def _default_timeout(parser: argparse.ArgumentParser) -> float:
     return value
 
 
-def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace,
-              command: list[str]) -> None:
+def _validate(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    command: list[str],
+) -> None:
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}")
     if args.servers < 0:
         parser.error(f"--servers must be >= 0, got {args.servers}")
     if args.servers == 0 and args.workers > 1:
-        parser.error(f"--servers 0 works only with --workers 1: "
-                     f"{args.workers} workers need at least one summation "
-                     "server (--servers 1)")
+        parser.error(
+            f"--servers 0 works only with --workers 1: "
+            f"{args.workers} workers need at least one summation "
+            "server (--servers 1)"
+        )
     if args.timeout is not None and not args.timeout > 0:
         parser.error(f"--timeout must be > 0, got {args.timeout}")
     if args.engine_threads < 1:
-        parser.error(f"--engine-threads must be >= 1, got "
-                     f"{args.engine_threads}")
+        parser.error(
+            f"--engine-threads must be >= 1, got {args.engine_threads}"
+        )
     if args.job_id is not None and not args.job_id:
         parser.error("--job-id must not be empty")
     if not command:
-        parser.error("a worker command is required after '--', e.g. "
-                     "jaxps-launch --workers 2 --servers 1 -- python train.py")
+        parser.error(
+            "a worker command is required after '--', e.g. "
+            "jaxps-launch --workers 2 --servers 1 -- python train.py"
+        )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
@@ -179,16 +216,20 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     if tail is not None:
         command = command + ["--"] + tail if command else tail
     _validate(parser, args, command)
-    timeout = (_default_timeout(parser) if args.timeout is None
-               else args.timeout)
+    timeout = _default_timeout(parser) if args.timeout is None else args.timeout
     job_id = args.job_id or f"jaxps-{secrets.token_hex(6)}"
     env = {"JAXPS_JOB_ID": job_id, "JAXPS_NUM_WORKERS": str(args.workers)}
     if args.timeout is not None:
         env["JAXPS_TIMEOUT"] = repr(args.timeout)
-    return LaunchConfig(workers=args.workers, servers=args.servers,
-                        timeout=timeout, job_id=job_id,
-                        engine_threads=args.engine_threads,
-                        command=tuple(command), worker_env=env)
+    return LaunchConfig(
+        workers=args.workers,
+        servers=args.servers,
+        timeout=timeout,
+        job_id=job_id,
+        engine_threads=args.engine_threads,
+        command=tuple(command),
+        worker_env=env,
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -229,26 +270,48 @@ class _Child:
       on_stdout_line: called with each stdout line before it is copied.
     """
 
-    def __init__(self, label: str, argv: Sequence[str], env: dict[str, str],
-                 output: _Output, events: queue.SimpleQueue,
-                 on_stdout_line: _LineCallback | None = None):
+    def __init__(
+        self,
+        label: str,
+        argv: Sequence[str],
+        env: dict[str, str],
+        output: _Output,
+        events: queue.SimpleQueue,
+        on_stdout_line: _LineCallback | None = None,
+    ):
         self.label = label
         self.proc = subprocess.Popen(
-            list(argv), env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True)
+            list(argv),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
         prefix = f"[{label}] "
         self._threads = [
-            _start_thread(self._pump, self.proc.stdout, output, output.out,
-                          prefix, on_stdout_line),
-            _start_thread(self._pump, self.proc.stderr, output, output.err,
-                          prefix, None),
+            _start_thread(
+                self._pump,
+                self.proc.stdout,
+                output,
+                output.out,
+                prefix,
+                on_stdout_line,
+            ),
+            _start_thread(
+                self._pump, self.proc.stderr, output, output.err, prefix, None
+            ),
             _start_thread(self._wait, events),
         ]
 
     @staticmethod
-    def _pump(pipe: IO[bytes], output: _Output, stream: IO[str], prefix: str,
-              on_line: _LineCallback | None) -> None:
+    def _pump(
+        pipe: IO[bytes],
+        output: _Output,
+        stream: IO[str],
+        prefix: str,
+        on_line: _LineCallback | None,
+    ) -> None:
         with pipe:
             for raw in iter(pipe.readline, b""):
                 text = raw.decode("utf-8", "replace").rstrip("\r\n")
@@ -332,8 +395,12 @@ class Launcher:
         ``sys.stderr``).
     """
 
-    def __init__(self, config: LaunchConfig, out: IO[str] | None = None,
-                 err: IO[str] | None = None):
+    def __init__(
+        self,
+        config: LaunchConfig,
+        out: IO[str] | None = None,
+        err: IO[str] | None = None,
+    ):
         self.config = config
         self.output = _Output(out or sys.stdout, err or sys.stderr)
         self.events: queue.SimpleQueue = queue.SimpleQueue()
@@ -363,25 +430,47 @@ class Launcher:
     def _check_signal(self) -> None:
         if self.signals:
             signum = self.signals[0]
-            raise LaunchError(f"got {signal.Signals(signum).name}; stopping "
-                              "all processes", 128 + signum)
+            raise LaunchError(
+                f"got {signal.Signals(signum).name}; stopping all processes",
+                128 + signum,
+            )
 
-    def _child(self, label: str, argv: Sequence[str], env: dict[str, str],
-               on_stdout_line: _LineCallback | None = None) -> _Child:
+    def _child(
+        self,
+        label: str,
+        argv: Sequence[str],
+        env: dict[str, str],
+        on_stdout_line: _LineCallback | None = None,
+    ) -> _Child:
         try:
-            return _Child(label, argv, env, self.output, self.events,
-                          on_stdout_line)
+            return _Child(
+                label, argv, env, self.output, self.events, on_stdout_line
+            )
         except OSError as err:
             code = 127 if isinstance(err, FileNotFoundError) else 126
-            raise LaunchError(f"cannot start {label} ({argv[0]!r}): {err}",
-                              code) from err
+            raise LaunchError(
+                f"cannot start {label} ({argv[0]!r}): {err}", code
+            ) from err
 
     def _server_argv(self) -> list[str]:
         c = self.config
-        return [sys.executable, "-m", "jaxps.servers", "--host", "127.0.0.1",
-                "--port", "0", "--num-workers", str(c.workers),
-                "--round-timeout", str(c.timeout), "--job-id", c.job_id,
-                "--engine-threads", str(c.engine_threads)]
+        return [
+            sys.executable,
+            "-m",
+            "jaxps.servers",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--num-workers",
+            str(c.workers),
+            "--round-timeout",
+            str(c.timeout),
+            "--job-id",
+            c.job_id,
+            "--engine-threads",
+            str(c.engine_threads),
+        ]
 
     def _start_servers(self) -> list[str]:
         """Starts every server, then waits for all of their addresses."""
@@ -389,15 +478,21 @@ class Launcher:
         env = dict(os.environ)
         for i in range(self.config.servers):
             q: queue.SimpleQueue = queue.SimpleQueue()
-            self.servers.append(self._child(
-                f"server {i}", self._server_argv(), env, _ready_line(q)))
+            self.servers.append(
+                self._child(
+                    f"server {i}", self._server_argv(), env, _ready_line(q)
+                )
+            )
             ready.append(q)
         deadline = time.monotonic() + SERVER_START_TIMEOUT
-        return [self._await_ready(server, q, deadline)
-                for server, q in zip(self.servers, ready, strict=True)]
+        return [
+            self._await_ready(server, q, deadline)
+            for server, q in zip(self.servers, ready, strict=True)
+        ]
 
-    def _await_ready(self, server: _Child, ready: queue.SimpleQueue,
-                     deadline: float) -> str:
+    def _await_ready(
+        self, server: _Child, ready: queue.SimpleQueue, deadline: float
+    ) -> str:
         """Returns the address `server` prints, or raises LaunchError."""
         while True:
             self._check_signal()
@@ -406,7 +501,8 @@ class Launcher:
                 raise LaunchError(
                     f"{server.label} printed no {READY_PREFIX.strip()!r} line "
                     f"within {SERVER_START_TIMEOUT:g} s; its output, if any, "
-                    "is above")
+                    "is above"
+                )
             try:
                 address = ready.get(timeout=min(left, _TICK))
             except queue.Empty:
@@ -418,11 +514,13 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 raise LaunchError(
                     f"{server.label} closed its stdout without printing "
-                    f"a {READY_PREFIX.strip()!r} line") from None
+                    f"a {READY_PREFIX.strip()!r} line"
+                ) from None
             server.join(time.monotonic() + DRAIN_TIMEOUT)
             raise LaunchError(
                 f"{server.label} ended ({describe(server.returncode)}) before "
-                "it was ready; its output is above")
+                "it was ready; its output is above"
+            )
 
     def _start_workers(self, addresses: list[str]) -> None:
         env = dict(os.environ)
@@ -432,7 +530,8 @@ class Launcher:
         for rank in range(self.config.workers):
             env["JAXPS_WORKER_RANK"] = str(rank)
             self.workers.append(
-                self._child(f"worker {rank}", self.config.command, dict(env)))
+                self._child(f"worker {rank}", self.config.command, dict(env))
+            )
 
     def _watch(self) -> int:
         """Waits for the workers; returns 0 or the first failure's code."""
@@ -448,12 +547,15 @@ class Launcher:
             if child in self.servers:
                 raise LaunchError(
                     f"{child.label} ended ({describe(child.returncode)}) "
-                    "while workers were running; stopping all processes")
+                    "while workers were running; stopping all processes"
+                )
             running.discard(child)
             if child.returncode != 0:
                 raise LaunchError(
                     f"{child.label} failed ({describe(child.returncode)}); "
-                    "stopping all processes", exit_code(child.returncode))
+                    "stopping all processes",
+                    exit_code(child.returncode),
+                )
         return 0
 
     def stop(self) -> None:
@@ -463,9 +565,11 @@ class Launcher:
         for child in children:
             child.signal_group(signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE
-        while (any(c.group_alive() for c in children)
-               and time.monotonic() < deadline
-               and len(self.signals) == signals_seen):
+        while (
+            any(c.group_alive() for c in children)
+            and time.monotonic() < deadline
+            and len(self.signals) == signals_seen
+        ):
             time.sleep(0.02)
         for child in children:
             if child.group_alive():
@@ -475,8 +579,9 @@ class Launcher:
             try:
                 child.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self.output.error(f"{child.label} (pid {child.proc.pid}) "
-                                  "survived SIGKILL")
+                self.output.error(
+                    f"{child.label} (pid {child.proc.pid}) survived SIGKILL"
+                )
         deadline = time.monotonic() + DRAIN_TIMEOUT
         for child in children:
             child.join(deadline)
@@ -498,7 +603,7 @@ def _ready_line(ready: queue.SimpleQueue) -> _LineCallback:
             ready.put(None)
         elif text.startswith(READY_PREFIX):
             done = True
-            ready.put(text[len(READY_PREFIX):].strip())
+            ready.put(text[len(READY_PREFIX) :].strip())
 
     return on_line
 
@@ -507,8 +612,10 @@ def _install_handlers(handler: Callable[..., None]) -> dict[int, Any]:
     """Installs `handler` for SIGINT and SIGTERM; returns the old ones."""
     if threading.current_thread() is not threading.main_thread():
         return {}
-    return {sig: signal.signal(sig, handler)
-            for sig in (signal.SIGINT, signal.SIGTERM)}
+    return {
+        sig: signal.signal(sig, handler)
+        for sig in (signal.SIGINT, signal.SIGTERM)
+    }
 
 
 def _restore_handlers(old: dict[int, Any]) -> None:

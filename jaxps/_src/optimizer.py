@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-
 from jaxps.ops import push_pull
 
 
@@ -58,12 +57,13 @@ def DistributedOptimizer(  # noqa: N802 - the name users know from BytePS
     """
     k = backward_passes_per_step
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"backward_passes_per_step must be an int >= 1. Got "
-                         f"backward_passes_per_step={k!r}.")
+        raise ValueError(
+            f"backward_passes_per_step must be an int >= 1. Got "
+            f"backward_passes_per_step={k!r}."
+        )
 
     def sync(grads):
-        return push_pull(grads, average=average, name=name,
-                         axis_name=axis_name)
+        return push_pull(grads, average=average, name=name, axis_name=axis_name)
 
     def init_fn(params):
         acc = jax.tree.map(jnp.zeros_like, params) if k > 1 else ()
@@ -71,24 +71,30 @@ def DistributedOptimizer(  # noqa: N802 - the name users know from BytePS
 
     def update_fn(updates, state, params=None):
         if k == 1:
-            out, inner_state = inner.update(sync(updates), state.inner_state,
-                                            params)
+            out, inner_state = inner.update(
+                sync(updates), state.inner_state, params
+            )
             return out, state._replace(inner_state=inner_state)
         acc = jax.tree.map(jnp.add, state.grad_acc, updates)
         step = state.mini_step + 1
 
         def communicate(acc):
             mean = jax.tree.map(lambda g: g / k, acc)
-            out, inner_state = inner.update(sync(mean), state.inner_state,
-                                            params)
+            out, inner_state = inner.update(
+                sync(mean), state.inner_state, params
+            )
             return out, inner_state, jax.tree.map(jnp.zeros_like, acc)
 
         def accumulate(acc):
-            return (jax.tree.map(jnp.zeros_like, updates), state.inner_state,
-                    acc)
+            return (
+                jax.tree.map(jnp.zeros_like, updates),
+                state.inner_state,
+                acc,
+            )
 
-        out, inner_state, acc = lax.cond(step % k == 0, communicate,
-                                         accumulate, acc)
+        out, inner_state, acc = lax.cond(
+            step % k == 0, communicate, accumulate, acc
+        )
         return out, DistributedState(inner_state, acc, step % k)
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -110,10 +116,12 @@ def broadcast(tree, root: int = 0, *, name: str = "broadcast"):
 
     size = state.size()
     if not 0 <= root < size:
-        raise ValueError(f"broadcast root must be in [0, {size}), got "
-                         f"root={root}.")
+        raise ValueError(
+            f"broadcast root must be in [0, {size}), got root={root}."
+        )
     mine = state.rank() == root
     arrays = jax.tree.map(
         lambda x: jnp.asarray(x) if mine else jnp.zeros_like(jnp.asarray(x)),
-        tree)
+        tree,
+    )
     return push_pull(arrays, average=False, name=name)

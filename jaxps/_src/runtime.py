@@ -17,12 +17,12 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
+from jaxps.servers import _wire
+from jaxps.servers import jaxps_pb2 as pb
 
 from jaxps._src import errors, topology
 from jaxps._src.client import ServerClient
 from jaxps._src.config import Config
-from jaxps.servers import _wire
-from jaxps.servers import jaxps_pb2 as pb
 
 _FINGERPRINT_BYTES = 4096
 _STOP = object()
@@ -86,15 +86,23 @@ class Handle:
         if not self._event.wait(timeout):
             raise errors.RoundTimeoutError(
                 f"push_pull of {self.names} did not finish within "
-                f"{timeout:g} s ({self._pending} chunk(s) outstanding).")
+                f"{timeout:g} s ({self._pending} chunk(s) outstanding)."
+            )
         if self._error is not None:
             raise self._error
         return [o.reshape(s) for o, s in zip(self._outs, self._shapes)]
 
 
 class _Chunk:
-    __slots__ = ("handle", "source", "dest", "header", "divisor", "nbytes",
-                 "lane")
+    __slots__ = (
+        "handle",
+        "source",
+        "dest",
+        "header",
+        "divisor",
+        "nbytes",
+        "lane",
+    )
 
     def __init__(self, handle, source, dest, header, divisor, lane):
         self.handle = handle
@@ -117,8 +125,11 @@ class _Lane:
         self._take = threading.Lock()
         self.queue: queue.PriorityQueue = queue.PriorityQueue()
         self.threads = [
-            threading.Thread(target=self._send_loop, daemon=True,
-                             name=f"jaxps-send-{client.address}-{i}")
+            threading.Thread(
+                target=self._send_loop,
+                daemon=True,
+                name=f"jaxps-send-{client.address}-{i}",
+            )
             for i in range(senders)
         ]
         for t in self.threads:
@@ -132,7 +143,8 @@ class _Lane:
                     raise errors.RoundTimeoutError(
                         f"{label}: no credit to push to server "
                         f"{self.client.address} for {self.client.timeout:g} s "
-                        f"({self.in_flight} bytes in flight).")
+                        f"({self.in_flight} bytes in flight)."
+                    )
                 self._cv.wait(remaining)
             self.in_flight += nbytes
 
@@ -151,9 +163,11 @@ class _Lane:
                     continue
                 h = chunk.header
                 try:
-                    self.acquire(chunk.nbytes,
-                                 time.monotonic() + self.client.timeout,
-                                 f"push_pull of {h.name} round {h.round}")
+                    self.acquire(
+                        chunk.nbytes,
+                        time.monotonic() + self.client.timeout,
+                        f"push_pull of {h.name} round {h.round}",
+                    )
                 except errors.JaxpsError as err:
                     chunk.handle.fail(err)
                     continue
@@ -164,10 +178,12 @@ class _Lane:
         h = chunk.header
         try:
             payload = chunk.source.tobytes()
-            self.client.push(h, payload, fingerprint(payload),
-                             time.monotonic() + timeout)
+            self.client.push(
+                h, payload, fingerprint(payload), time.monotonic() + timeout
+            )
             future = self.client.pull_future(
-                h, time.monotonic() + pull_deadline(timeout))
+                h, time.monotonic() + pull_deadline(timeout)
+            )
         except errors.JaxpsError as err:
             chunk.handle.fail(err)
             return
@@ -188,7 +204,8 @@ class _Lane:
                 raise errors.RequestRejectedError(
                     f"server {self.client.address} answered "
                     f"{chunk.header.name} round {chunk.header.round} with "
-                    f"{data.size} elements, expected {chunk.dest.size}.")
+                    f"{data.size} elements, expected {chunk.dest.size}."
+                )
             if chunk.divisor is None:
                 chunk.dest[...] = data
             else:
@@ -241,14 +258,18 @@ class Runtime:
         self.weights = [1.0] * len(config.servers)
         max_message = config.partition_bytes + _wire.MESSAGE_OVERHEAD
         clients = [
-            ServerClient(s, max_message_bytes=max_message,
-                         timeout=config.timeout)
+            ServerClient(
+                s, max_message_bytes=max_message, timeout=config.timeout
+            )
             for s in config.servers
         ]
         try:
             for c in clients:
-                c.hello(job_id=config.job_id, rank=config.worker_rank,
-                        num_workers=config.num_workers)
+                c.hello(
+                    job_id=config.job_id,
+                    rank=config.worker_rank,
+                    num_workers=config.num_workers,
+                )
         except BaseException:
             for c in clients:
                 c.close()
@@ -281,8 +302,9 @@ class Runtime:
           priorities: higher goes out first (default: earlier names first).
         """
         if len(names) != len(arrays):
-            raise ValueError(f"got {len(names)} names for {len(arrays)} "
-                             "arrays.")
+            raise ValueError(
+                f"got {len(names)} names for {len(arrays)} arrays."
+            )
         if len(set(names)) != len(names):
             raise ValueError(f"tensor names must be unique, got {names}.")
         flats, dtypes = [], []
@@ -302,8 +324,14 @@ class Runtime:
         rounds = self._begin(names)
         divisor = self.size if average else None
         pending = sum(len(ranges) for ranges, _ in plan)
-        handle = Handle(list(names), outs, shapes, pending,
-                        lambda: self._end(names), timeout)
+        handle = Handle(
+            list(names),
+            outs,
+            shapes,
+            pending,
+            lambda: self._end(names),
+            timeout,
+        )
         if priorities is None:
             priorities = [-i for i in range(len(names))]
         seq = next(self._seq)
@@ -322,8 +350,9 @@ class Runtime:
                     name=f"{name}[{c}]",
                 )
                 lane = self._lanes[s]
-                chunk = _Chunk(handle, flat[lo:hi], out[lo:hi], header,
-                               divisor, lane)
+                chunk = _Chunk(
+                    handle, flat[lo:hi], out[lo:hi], header, divisor, lane
+                )
                 lane.queue.put((-priorities[t], seq, c, id(chunk), chunk))
         return handle
 
@@ -336,16 +365,20 @@ class Runtime:
         plan = self._plans.get(sig)
         if plan is None:
             part = self.config.partition_bytes
-            per_tensor = [topology.chunk_ranges(f.size, f.itemsize, part)
-                          for f in flats]
-            sizes = [(hi - lo) * f.itemsize
-                     for f, ranges in zip(flats, per_tensor)
-                     for lo, hi in ranges]
+            per_tensor = [
+                topology.chunk_ranges(f.size, f.itemsize, part) for f in flats
+            ]
+            sizes = [
+                (hi - lo) * f.itemsize
+                for f, ranges in zip(flats, per_tensor)
+                for lo, hi in ranges
+            ]
             servers = topology.assign_servers(
-                sizes, self.weights, salt=topology.tensor_id(names[0]))
+                sizes, self.weights, salt=topology.tensor_id(names[0])
+            )
             plan, i = [], 0
             for ranges in per_tensor:
-                plan.append((ranges, servers[i:i + len(ranges)]))
+                plan.append((ranges, servers[i : i + len(ranges)]))
                 i += len(ranges)
             self._plans[sig] = plan
         return plan
@@ -356,7 +389,8 @@ class Runtime:
             if busy:
                 raise errors.JaxpsError(
                     f"push_pull of {sorted(busy)} is already in flight; wait "
-                    "for it before pushing the same name again.")
+                    "for it before pushing the same name again."
+                )
             self._in_flight.update(names)
             rounds = []
             for name in names:
@@ -382,10 +416,13 @@ def _check_array(name: str, array: np.ndarray, average: bool) -> int:
     except TypeError as err:
         raise TypeError(f"push_pull of {name!r}: {err}") from None
     if array.size == 0:
-        raise ValueError(f"push_pull of {name!r}: the array is empty (shape "
-                         f"{array.shape}); nothing to sum.")
+        raise ValueError(
+            f"push_pull of {name!r}: the array is empty (shape "
+            f"{array.shape}); nothing to sum."
+        )
     if average and array.dtype.kind in "iu":
         raise TypeError(
             f"push_pull of {name!r}: average=True needs a floating dtype, "
-            f"got {array.dtype}; pass average=False to sum integers.")
+            f"got {array.dtype}; pass average=False to sum integers."
+        )
     return code

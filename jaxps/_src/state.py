@@ -34,7 +34,8 @@ def init(config: Config | None = None, **settings: Any) -> Config:
     global _runtime
     if config is not None and settings:
         raise errors.ConfigError(
-            "pass either config= or keyword settings to jaxps.init, not both.")
+            "pass either config= or keyword settings to jaxps.init, not both."
+        )
     if config is None:
         config = Config.from_env(**settings)
     with _lock:
@@ -43,7 +44,8 @@ def init(config: Config | None = None, **settings: Any) -> Config:
                 return config
             raise errors.ConfigError(
                 "jaxps.init was already called with other settings; call "
-                "jaxps.shutdown() first.")
+                "jaxps.shutdown() first."
+            )
         _runtime = Runtime(config)
     return config
 
@@ -65,7 +67,8 @@ def runtime() -> Runtime:
     r = _runtime
     if r is None:
         raise errors.NotInitializedError(
-            "jaxps is not initialized: call jaxps.init() first.")
+            "jaxps is not initialized: call jaxps.init() first."
+        )
     return r
 
 

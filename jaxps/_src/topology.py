@@ -28,7 +28,8 @@ def chunk_ranges(
         raise ValueError(
             f"a tensor of {num_elements} elements needs {count} chunks of "
             f"{partition_bytes} bytes, more than {_wire.MAX_CHUNKS}; increase "
-            "partition_bytes.")
+            "partition_bytes."
+        )
     base, extra = divmod(num_elements, count)
     ranges, start = [], 0
     for i in range(count):
@@ -67,8 +68,9 @@ def assign_servers(
     live = [s for s in range(num) if weights[s] > 0]
     out = [0] * len(sizes)
     for i in order:
-        best = min(live, key=lambda s: ((load[s] + sizes[i]) / weights[s],
-                                        tie[s]))
+        best = min(
+            live, key=lambda s: ((load[s] + sizes[i]) / weights[s], tie[s])
+        )
         load[best] += sizes[i]
         out[i] = best
     return out
@@ -98,11 +100,11 @@ def mixed_mode_weights(n: int, k: int) -> list[float]:
 def optimal_time(n: int, k: int, model_bytes: float, bandwidth: float) -> float:
     """t_opt = 2n(n-1)M / ((n^2+kn-2k) B), in the units of M / B."""
     _check_nk(n, k)
-    return 2 * n * (n - 1) * model_bytes / ((n * n + k * n - 2 * k)
-                                            * bandwidth)
+    return 2 * n * (n - 1) * model_bytes / ((n * n + k * n - 2 * k) * bandwidth)
 
 
 def _check_nk(n: int, k: int) -> None:
     if n < 1 or k < 0:
-        raise ValueError(f"need n >= 1 workers and k >= 0 servers, got "
-                         f"n={n}, k={k}.")
+        raise ValueError(
+            f"need n >= 1 workers and k >= 0 servers, got n={n}, k={k}."
+        )

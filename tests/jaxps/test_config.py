@@ -12,9 +12,13 @@ def test_defaults():
 
 
 def test_environment_and_precedence():
-    env = {"JAXPS_SERVERS": "a:1, b:2", "JAXPS_NUM_WORKERS": "4",
-           "JAXPS_WORKER_RANK": "3", "JAXPS_TIMEOUT": "2.5",
-           "JAXPS_PARTITION_BYTES": "1024"}
+    env = {
+        "JAXPS_SERVERS": "a:1, b:2",
+        "JAXPS_NUM_WORKERS": "4",
+        "JAXPS_WORKER_RANK": "3",
+        "JAXPS_TIMEOUT": "2.5",
+        "JAXPS_PARTITION_BYTES": "1024",
+    }
     cfg = Config.from_env(env)
     assert cfg.servers == ("a:1", "b:2")
     assert (cfg.num_workers, cfg.worker_rank) == (4, 3)
@@ -26,10 +30,14 @@ def test_environment_and_precedence():
 @pytest.mark.parametrize(
     "settings, message",
     [
-        (dict(num_workers=0), "num_workers must be an int >= 1. Got "
-                              "num_workers=0"),
-        (dict(num_workers=2, worker_rank=2, servers=("a:1",)),
-         r"worker_rank must be in \[0, num_workers=2\)"),
+        (
+            dict(num_workers=0),
+            "num_workers must be an int >= 1. Got num_workers=0",
+        ),
+        (
+            dict(num_workers=2, worker_rank=2, servers=("a:1",)),
+            r"worker_rank must be in \[0, num_workers=2\)",
+        ),
         (dict(timeout=-1), "timeout must be a positive number"),
         (dict(servers=("nohost",)), "server address must be host:port"),
         (dict(servers=("a:1", "a:1"), num_workers=2), "lists an address twice"),

@@ -22,8 +22,9 @@ def run_workers(n, servers, fn, **config):
     addresses = tuple(s.address for s in servers)
 
     def work(rank):
-        cfg = Config(servers=addresses, num_workers=n, worker_rank=rank,
-                     **config)
+        cfg = Config(
+            servers=addresses, num_workers=n, worker_rank=rank, **config
+        )
         runtime = Runtime(cfg)
         try:
             return fn(runtime)
@@ -40,8 +41,14 @@ def contribution(rank, size, dtype, seed=0):
     return rng.integers(-100, 100, size=size).astype(dtype)
 
 
-DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int32,
-          np.int64]
+DTYPES = [
+    np.float32,
+    np.float64,
+    np.float16,
+    ml_dtypes.bfloat16,
+    np.int32,
+    np.int64,
+]
 
 
 @pytest.mark.timeout(120)
@@ -64,9 +71,10 @@ def test_sums_equal_numpy_for_all_dtypes_and_sizes(start_servers, n, k):
     for dtype in DTYPES:
         for size in sizes:
             name = f"{np.dtype(dtype).name}/{size}"
-            expected = sum(contribution(r, size, np.float64)
-                           for r in range(n)).astype(dtype)
-            for rank, res in enumerate(results):
+            expected = sum(
+                contribution(r, size, np.float64) for r in range(n)
+            ).astype(dtype)
+            for res in results:
                 got = res[name]
                 assert got.dtype == np.dtype(dtype), name
                 assert got.shape == (size,)
@@ -101,20 +109,23 @@ def test_credit_smaller_than_a_tensor(start_servers):
     def fn(rt):
         return rt.push_pull("x", np.ones(50_000, np.float32), average=False)
 
-    for out in run_workers(2, servers, fn, partition_bytes=8192,
-                           credit_bytes=8192):
+    for out in run_workers(
+        2, servers, fn, partition_bytes=8192, credit_bytes=8192
+    ):
         np.testing.assert_array_equal(out, 2)
 
 
 @pytest.mark.timeout(60)
 def test_missing_worker_times_out_naming_its_rank(start_servers):
     servers = start_servers(1, 3, "--round-timeout", "2")
-    cfg = Config(servers=(servers[0].address,), num_workers=3, worker_rank=1,
-                 timeout=2.0)
+    cfg = Config(
+        servers=(servers[0].address,), num_workers=3, worker_rank=1, timeout=2.0
+    )
     rt = Runtime(cfg)
     try:
-        with pytest.raises(errors.RoundTimeoutError,
-                           match=r"rank\(s\) \[0, 2\]"):
+        with pytest.raises(
+            errors.RoundTimeoutError, match=r"rank\(s\) \[0, 2\]"
+        ):
             rt.push_pull("lonely", np.ones(10, np.float32))
     finally:
         rt.close()
@@ -141,11 +152,13 @@ def test_bad_hello(start_servers):
     servers = start_servers(1, 2, "--job-id", "jobA")
     address = (servers[0].address,)
     with pytest.raises(errors.RequestRejectedError, match="wrong num_workers"):
-        Runtime(Config(servers=address, num_workers=3, worker_rank=0,
-                       job_id="jobA"))
+        Runtime(
+            Config(servers=address, num_workers=3, worker_rank=0, job_id="jobA")
+        )
     with pytest.raises(errors.RequestRejectedError, match="unknown job_id"):
-        Runtime(Config(servers=address, num_workers=2, worker_rank=0,
-                       job_id="jobB"))
+        Runtime(
+            Config(servers=address, num_workers=2, worker_rank=0, job_id="jobB")
+        )
 
 
 @pytest.mark.timeout(60)
@@ -165,5 +178,6 @@ def test_local_bad_inputs():
         rt.push_pull("e", np.ones((0, 3), np.float32))
     with pytest.raises(ValueError, match="names must be unique"):
         rt.push_pull_async(["a", "a"], [np.ones(1), np.ones(1)])
-    np.testing.assert_array_equal(rt.push_pull("x", np.arange(3.0)),
-                                  np.arange(3.0))
+    np.testing.assert_array_equal(
+        rt.push_pull("x", np.arange(3.0)), np.arange(3.0)
+    )

@@ -36,7 +36,8 @@ def test_formula_edge_cases():
     n = 4
     # k = 0 is all-reduce: 2(n-1)M/(nB)
     assert topology.optimal_time(n, 0, M, B) == pytest.approx(
-        2 * (n - 1) * M / (n * B))
+        2 * (n - 1) * M / (n * B)
+    )
     # k = n is a plain PS: M/B
     assert topology.optimal_time(n, n, M, B) == pytest.approx(M / B)
     assert topology.cpu_server_share(n, 0) == 0

@@ -3,17 +3,21 @@
 import ml_dtypes
 import numpy as np
 import pytest
-
 from jaxps.servers import Store, StoreError, _wire
 
 
 def push(store, key, rnd, rank, array, checksum=None):
     payload = array.tobytes()
     ticket = store.begin_push(
-        key=key, round=rnd, rank=rank, dtype_code=_wire.dtype_code(array.dtype),
-        length=array.size, payload=payload,
+        key=key,
+        round=rnd,
+        rank=rank,
+        dtype_code=_wire.dtype_code(array.dtype),
+        length=array.size,
+        payload=payload,
         checksum=_wire.checksum(payload) if checksum is None else checksum,
-        name=f"t{key}")
+        name=f"t{key}",
+    )
     if ticket is not None:
         ticket.run()
         store.finish_push(ticket)
@@ -21,14 +25,24 @@ def push(store, key, rnd, rank, array, checksum=None):
 
 
 def pull(store, key, rnd, rank, like):
-    _, result = store.pull(key=key, round=rnd, rank=rank,
-                           dtype_code=_wire.dtype_code(like.dtype),
-                           length=like.size)
+    _, result = store.pull(
+        key=key,
+        round=rnd,
+        rank=rank,
+        dtype_code=_wire.dtype_code(like.dtype),
+        length=like.size,
+    )
     return None if result is None else np.frombuffer(result, like.dtype)
 
 
-DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int32,
-          np.int64]
+DTYPES = [
+    np.float32,
+    np.float64,
+    np.float16,
+    ml_dtypes.bfloat16,
+    np.int32,
+    np.int64,
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
@@ -88,16 +102,28 @@ def test_conflicting_duplicate_is_rejected():
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(dtype_code=_wire.dtype_code(np.float64)), r"dtype of key 1 \(t1\) is float64 but its first push had float32"),
-        (dict(length=4), r"length of key 1 \(t1\) is 4 but its first push had length=3"),
+        (
+            dict(dtype_code=_wire.dtype_code(np.float64)),
+            r"dtype of key 1 \(t1\) is float64 but its first push had float32",
+        ),
+        (
+            dict(length=4),
+            r"length of key 1 \(t1\) is 4 but its first push had length=3",
+        ),
     ],
 )
 def test_schema_mismatch(change, message):
     store = Store(2)
     push(store, 1, 0, 0, np.ones(3, np.float32))
-    args = dict(key=1, round=0, rank=1, dtype_code=_wire.dtype_code(
-        np.float32), length=3, payload=np.ones(3, np.float32).tobytes(),
-        checksum=0)
+    args = dict(
+        key=1,
+        round=0,
+        rank=1,
+        dtype_code=_wire.dtype_code(np.float32),
+        length=3,
+        payload=np.ones(3, np.float32).tobytes(),
+        checksum=0,
+    )
     args.update(change)
     if "length" in change:
         args["payload"] = np.ones(4, np.float32).tobytes()
@@ -109,15 +135,29 @@ def test_schema_mismatch(change, message):
 def test_payload_size_must_match_length():
     store = Store(1)
     with pytest.raises(StoreError, match="has 8 bytes but length=3"):
-        store.begin_push(key=1, round=0, rank=0, dtype_code=1, length=3,
-                         payload=b"\0" * 8, checksum=0)
+        store.begin_push(
+            key=1,
+            round=0,
+            rank=0,
+            dtype_code=1,
+            length=3,
+            payload=b"\0" * 8,
+            checksum=0,
+        )
 
 
 def test_unknown_dtype_and_rank_out_of_range():
     store = Store(2)
     with pytest.raises(StoreError, match="unknown dtype code 99"):
-        store.begin_push(key=1, round=0, rank=0, dtype_code=99, length=1,
-                         payload=b"\0" * 4, checksum=0)
+        store.begin_push(
+            key=1,
+            round=0,
+            rank=0,
+            dtype_code=99,
+            length=1,
+            payload=b"\0" * 4,
+            checksum=0,
+        )
     with pytest.raises(StoreError, match="rank 2 out of range"):
         push(store, 1, 0, 2, np.ones(1, np.float32))
 
@@ -158,8 +198,9 @@ def test_timeout_names_missing_ranks():
 
 def test_deterministic_mode_is_bitwise_independent_of_arrival():
     rng = np.random.default_rng(0)
-    parts = [rng.standard_normal(1000).astype(np.float32) * 10**i
-             for i in range(4)]
+    parts = [
+        rng.standard_normal(1000).astype(np.float32) * 10**i for i in range(4)
+    ]
     results = set()
     for order in ([0, 1, 2, 3], [3, 2, 1, 0], [2, 0, 3, 1]):
         store = Store(4, deterministic=True)

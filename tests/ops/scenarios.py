@@ -1,0 +1,243 @@
+"""One jaxps worker running JAX-level checks; started once per rank.
+
+Run by test_push_pull.py as ``python scenarios.py NAME...`` with the JAXPS_*
+environment of a job. Each scenario asserts against a result computed here
+from every rank's (deterministic) contribution, and prints ``ok NAME``.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jaxps  # noqa: E402
+
+RTOL = 1e-5
+
+
+def contribution(rank, shape, dtype=np.float32):
+    size = int(np.prod(shape))
+    return (np.arange(size).reshape(shape) % 7 + 10 * rank).astype(dtype)
+
+
+def total(shape, dtype=np.float32):
+    return sum(
+        contribution(r, shape, np.float64) for r in range(jaxps.size())
+    ).astype(dtype)
+
+
+def check_jit():
+    tree = {
+        "a": contribution(jaxps.rank(), (3, 5)),
+        "b": contribution(jaxps.rank(), (1001,), np.float64),
+    }
+    f = jax.jit(lambda t: jaxps.push_pull(t, average=False, name="jit"))
+    for _ in range(3):  # several rounds of the same compiled program
+        out = f(tree)
+        np.testing.assert_allclose(out["a"], total((3, 5)), rtol=RTOL)
+        np.testing.assert_allclose(out["b"], total((1001,), np.float64))
+    avg = jax.jit(lambda t: jaxps.push_pull(t, name="jitavg"))(tree)
+    np.testing.assert_allclose(
+        avg["a"], total((3, 5)) / jaxps.size(), rtol=RTOL
+    )
+    ints = jaxps.push_pull(
+        contribution(jaxps.rank(), (4,), np.int32), average=False, name="ints"
+    )
+    np.testing.assert_array_equal(ints, total((4,), np.int32))
+
+
+def check_grad():
+    x = jnp.asarray(contribution(jaxps.rank(), (6,)))
+
+    def loss(v):
+        return jnp.sum(jaxps.push_pull(v, average=False, name="g") ** 2)
+
+    g = jax.jit(jax.grad(loss))(x)
+    # d/dx_r sum((sum_s x_s)^2) = sum over workers of 2 * sum_s x_s
+    expected = 2 * total((6,)) * jaxps.size()
+    np.testing.assert_allclose(g, expected, rtol=RTOL)
+
+
+def check_vmap():
+    x = jnp.asarray(contribution(jaxps.rank(), (3, 4)))
+    out = jax.jit(
+        jax.vmap(lambda v: jaxps.push_pull(v, average=False, name="vm"))
+    )(x)
+    np.testing.assert_allclose(out, total((3, 4)), rtol=RTOL)
+
+
+def check_shard_map():
+    mesh = jax.make_mesh((4,), ("local",))
+    shape = (4, 7, 3)  # leading axis: one slice per local device
+    x = jax.device_put(
+        jnp.asarray(contribution(jaxps.rank(), shape)),
+        NamedSharding(mesh, P("local")),
+    )
+
+    def per_device(v):  # v: this device's (1, 7, 3) slice
+        return jaxps.push_pull(
+            v[0], average=False, axis_name="local", name="sm"
+        )[None]
+
+    f = jax.jit(
+        jax.shard_map(
+            per_device, mesh=mesh, in_specs=P("local"), out_specs=P("local")
+        )
+    )
+    out = np.asarray(f(x))
+    expected = total(shape).sum(axis=0)
+    for d in range(4):
+        np.testing.assert_allclose(out[d], expected, rtol=RTOL)
+
+
+def check_pmap():
+    shape = (4, 5)
+    x = contribution(jaxps.rank(), shape)
+    out = jax.pmap(
+        lambda v: jaxps.push_pull(v, axis_name="i", name="pm"), axis_name="i"
+    )(x)
+    expected = total(shape).sum(axis=0) / (4 * jaxps.size())
+    np.testing.assert_allclose(
+        np.asarray(out), np.broadcast_to(expected, shape), rtol=RTOL
+    )
+
+
+def check_broadcast():
+    rng = np.random.default_rng(100 + jaxps.rank())  # differs per rank
+    params = {
+        "w": jnp.asarray(rng.standard_normal((3, 3)), jnp.float32),
+        "step": jnp.int32(jaxps.rank() + 5),
+    }
+    out = jaxps.broadcast(params, root=0)
+    root = np.random.default_rng(100).standard_normal((3, 3))
+    np.testing.assert_array_equal(out["w"], root.astype(np.float32))
+    assert int(out["step"]) == 5
+
+
+def _linear_data():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 5)).astype(np.float32)
+    y = x @ np.arange(1, 6, dtype=np.float32) + 0.3
+    return x, y
+
+
+def _loss(params, x, y):
+    pred = x @ params["w"] + params["b"]
+    return jnp.mean((pred - y) ** 2)
+
+
+def _train(tx, params, batches):
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, x, y):
+        grads = jax.grad(_loss)(params, x, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for x, y in batches:
+        params, state = step(params, state, x, y)
+    return params
+
+
+def check_optimizer_equivalence():
+    """2 workers on half the batch each == 1 process on the full batch."""
+    x, y = _linear_data()
+    n, r = jaxps.size(), jaxps.rank()
+    params = {"w": jnp.zeros(5), "b": jnp.zeros(())}
+    for make in (lambda: optax.sgd(0.05), lambda: optax.adam(0.05)):
+        full = [(x, y)] * 20
+        part = [(x[r::n], y[r::n])] * 20
+        reference = _train(make(), params, full)
+        dist = _train(
+            jaxps.DistributedOptimizer(make(), name="eq"), params, part
+        )
+        for key in params:
+            np.testing.assert_allclose(
+                dist[key], reference[key], rtol=2e-4, atol=1e-5
+            )
+
+
+def check_accumulation():
+    """k mini-steps of 1/k of the data == one step on all of it."""
+    x, y = _linear_data()
+    n, r, k = jaxps.size(), jaxps.rank(), 2
+    params = {"w": jnp.zeros(5), "b": jnp.zeros(())}
+    reference = _train(optax.adam(0.05), params, [(x, y)] * 5)
+    mine = x[r::n], y[r::n]
+    minis = [(mine[0][i::k], mine[1][i::k]) for i in range(k)]
+    tx = jaxps.DistributedOptimizer(
+        optax.adam(0.05), backward_passes_per_step=k, name="acc"
+    )
+    dist = _train(tx, params, minis * 5)
+    for key in params:
+        np.testing.assert_allclose(
+            dist[key], reference[key], rtol=2e-4, atol=1e-5
+        )
+
+
+def check_flax():
+    """Works with nnx.Optimizer and with a linen TrainState."""
+    from flax import nnx
+    from flax.training import train_state
+
+    x, y = _linear_data()
+    model = nnx.Linear(5, 1, rngs=nnx.Rngs(jaxps.rank()))
+    nnx.update(model, jaxps.broadcast(nnx.state(model, nnx.Param)))
+    opt = nnx.Optimizer(
+        model,
+        jaxps.DistributedOptimizer(optax.sgd(0.05), name="nnx"),
+        wrt=nnx.Param,
+    )
+
+    @nnx.jit
+    def step(model, opt, x, y):
+        def loss(m):
+            return jnp.mean((m(x)[:, 0] - y) ** 2)
+
+        grads = nnx.grad(loss)(model)
+        opt.update(model, grads)
+
+    n, r = jaxps.size(), jaxps.rank()
+    for _ in range(3):
+        step(model, opt, x[r::n], y[r::n])
+    kernel = jaxps.broadcast(model.kernel[...], name="nnx_check")
+    np.testing.assert_allclose(model.kernel[...], kernel, rtol=1e-6)
+
+    state = train_state.TrainState.create(
+        apply_fn=None,
+        params={"w": jnp.zeros(5), "b": jnp.zeros(())},
+        tx=jaxps.DistributedOptimizer(optax.sgd(0.05), name="linen"),
+    )
+
+    @jax.jit
+    def linen_step(state, x, y):
+        grads = jax.grad(_loss)(state.params, x, y)
+        return state.apply_gradients(grads=grads)
+
+    state = linen_step(state, x[r::n], y[r::n])
+    reference = _train(
+        optax.sgd(0.05), {"w": jnp.zeros(5), "b": jnp.zeros(())}, [(x, y)]
+    )
+    np.testing.assert_allclose(state.params["w"], reference["w"], rtol=1e-5)
+
+
+def main(names):
+    jaxps.init()
+    try:
+        for name in names:
+            globals()[f"check_{name}"]()
+            print(f"ok {name}", flush=True)
+    finally:
+        jaxps.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
