@@ -5,12 +5,11 @@ summation servers over gRPC, pull the sums back and run the optimizer
 themselves.
 """
 
+import typing
+
 # Note: import <name> as <name> is required for names to be exported.
 from jaxps import errors as errors
 from jaxps._src.config import Config as Config
-from jaxps._src.optimizer import DistributedOptimizer as DistributedOptimizer
-from jaxps._src.optimizer import DistributedState as DistributedState
-from jaxps._src.optimizer import broadcast as broadcast
 from jaxps._src.state import init as init
 from jaxps._src.state import is_initialized as is_initialized
 from jaxps._src.state import push_pull_numpy as push_pull_numpy
@@ -19,9 +18,41 @@ from jaxps._src.state import shutdown as shutdown
 from jaxps._src.state import size as size
 from jaxps._src.topology import cpu_server_share as cpu_server_share
 from jaxps._src.topology import optimal_time as optimal_time
-from jaxps.ops import push_pull as push_pull
 
 __version__ = "0.1.0"
+
+# The JAX-facing names are imported on first use, so that `jaxps.servers` and
+# `jaxps-launch`, which share this package, start without importing JAX.
+_LAZY = {
+    "DistributedOptimizer": "jaxps._src.optimizer",
+    "DistributedState": "jaxps._src.optimizer",
+    "broadcast": "jaxps._src.optimizer",
+    "push_pull": "jaxps.ops",
+}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxps' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+if typing.TYPE_CHECKING:  # the lazy names, for type checkers and readers
+    from jaxps._src.optimizer import (  # noqa: F401
+        DistributedOptimizer,
+        DistributedState,
+        broadcast,
+    )
+    from jaxps.ops import push_pull  # noqa: F401
 
 __all__ = [
     "Config",
