@@ -12,11 +12,10 @@ from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from . import _service
-from . import jaxps_pb2_grpc as pb_grpc
 
 log = logging.getLogger("jaxps.server")
 
-SERVICE_NAME = "jaxps.Summation"
+SERVICE_NAME = _service.SERVICE
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -114,7 +113,7 @@ def create_server(opts: ServerOptions) -> Server:
         ("grpc.so_reuseport", 0),
     ]
     server = grpc.aio.server(options=options)
-    pb_grpc.add_SummationServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers((servicer.handler(),))
     health = health_async.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     address = f"{opts.host}:{opts.port}"

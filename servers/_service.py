@@ -10,11 +10,12 @@ import time
 
 import grpc
 
-from . import _store, _wire
+from . import _codec, _store, _wire
 from . import jaxps_pb2 as pb
-from . import jaxps_pb2_grpc as pb_grpc
 
 log = logging.getLogger("jaxps.server")
+
+SERVICE = "jaxps.Summation"
 
 _CODES = {
     "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
@@ -24,7 +25,17 @@ _CODES = {
 }
 
 
-class SummationServicer(pb_grpc.SummationServicer):
+def _decode(message_type, data: bytes):
+    try:
+        return message_type.FromString(data)
+    except Exception as err:  # protobuf's DecodeError
+        raise _store.StoreError(
+            "INVALID_ARGUMENT",
+            f"malformed {message_type.__name__}: {err}",
+        ) from None
+
+
+class SummationServicer:
     """Provides methods that implement functionality of the summation server.
 
     Args:
@@ -45,20 +56,40 @@ class SummationServicer(pb_grpc.SummationServicer):
         engine_threads: int = 2,
         deterministic: bool = False,
     ):
+        self.job_id = job_id
+        self.incarnation = secrets.token_hex(8)
         self.store = _store.Store(
             num_workers,
             round_timeout=round_timeout,
             engine_threads=engine_threads,
             deterministic=deterministic,
+            encode=self._encode_reply,
         )
-        self.job_id = job_id
-        self.incarnation = secrets.token_hex(8)
         self._engines = [
             concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix=f"jaxps-engine-{i}"
             )
             for i in range(max(1, engine_threads))
         ]
+
+    def _encode_reply(self, total) -> bytes:
+        return _codec.encode_pull_reply(self.incarnation, total)
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The service's method handlers; requests arrive undecoded."""
+        methods = {
+            "Hello": grpc.unary_unary_rpc_method_handler(
+                self.Hello,
+                response_serializer=pb.HelloReply.SerializeToString,
+            ),
+            "Push": grpc.unary_unary_rpc_method_handler(
+                self.Push,
+                response_serializer=pb.PushReply.SerializeToString,
+            ),
+            # Pull replies are encoded once per round by the store.
+            "Pull": grpc.unary_unary_rpc_method_handler(self.Pull),
+        }
+        return grpc.method_handlers_generic_handler(SERVICE, methods)
 
     # -- request checks ------------------------------------------------------
 
@@ -85,8 +116,9 @@ class SummationServicer(pb_grpc.SummationServicer):
 
     # -- RPCs --------------------------------------------------------------
 
-    async def Hello(self, request, context):
+    async def Hello(self, request: bytes, context):
         try:
+            request = _decode(pb.HelloRequest, request)
             self._check_header(
                 pb.Header(version=request.version, job_id=request.job_id)
             )
@@ -107,9 +139,14 @@ class SummationServicer(pb_grpc.SummationServicer):
             job_id=self.job_id,
         )
 
-    async def Push(self, request, context):
-        h = request.header
+    async def Push(self, request: bytes, context):
         try:
+            try:
+                h, payload, checksum = _codec.decode_push(request)
+            except _codec.DecodeError as err:
+                raise _store.StoreError(
+                    "INVALID_ARGUMENT", f"malformed PushRequest: {err}"
+                ) from None
             self._check_header(h)
             ticket = self.store.begin_push(
                 key=h.key,
@@ -117,8 +154,8 @@ class SummationServicer(pb_grpc.SummationServicer):
                 rank=h.rank,
                 dtype_code=h.dtype,
                 length=h.length,
-                payload=request.payload,
-                checksum=request.checksum,
+                payload=payload,
+                checksum=checksum,
                 name=h.name,
             )
         except _store.StoreError as err:
@@ -129,10 +166,10 @@ class SummationServicer(pb_grpc.SummationServicer):
             self.store.finish_push(ticket)
         return pb.PushReply(incarnation=self.incarnation)
 
-    async def Pull(self, request, context):
-        h = request.header
+    async def Pull(self, request: bytes, context) -> bytes:
         store = self.store
         try:
+            h = _decode(pb.PullRequest, request).header
             self._check_header(h)
             rnd, result = store.pull(
                 key=h.key,
@@ -147,7 +184,7 @@ class SummationServicer(pb_grpc.SummationServicer):
                 result = store.collect(h.key, rnd, h.rank)
         except _store.StoreError as err:
             await self._abort(context, err)
-        return pb.PullReply(incarnation=self.incarnation, payload=result)
+        return result  # an encoded PullReply
 
     async def _wait(self, rnd: _store.Round, context) -> None:
         event = asyncio.Event()

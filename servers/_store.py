@@ -46,7 +46,7 @@ class Round:
     parts: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
     acc: np.ndarray | None = None
     summed: int = 0
-    result: bytes | None = None
+    result: bytes | None = None  # the encoded sum, sent to every puller
     pulled: set[int] = dataclasses.field(default_factory=set)
     error: StoreError | None = None
     waiters: list = dataclasses.field(default_factory=list)
@@ -68,15 +68,24 @@ class Key:
 class PushTicket:
     """The numpy work of one accepted push, run on the key's engine thread."""
 
-    __slots__ = ("key", "round", "rank", "data", "num_workers", "ordered")
+    __slots__ = (
+        "key",
+        "round",
+        "rank",
+        "data",
+        "num_workers",
+        "ordered",
+        "encode",
+    )
 
-    def __init__(self, key, rnd, rank, data, num_workers, ordered):
+    def __init__(self, key, rnd, rank, data, num_workers, ordered, encode):
         self.key = key
         self.round = rnd
         self.rank = rank
         self.data = data
         self.num_workers = num_workers
         self.ordered = ordered
+        self.encode = encode
 
     @property
     def engine(self) -> int:
@@ -92,15 +101,13 @@ class PushTicket:
             if rnd.summed == n:
                 parts = [rnd.parts[r] for r in sorted(rnd.parts)]
                 rnd.parts = {}
-                rnd.result = _finish(_sum_in_order(parts), data.dtype)
+                rnd.result = self.encode(
+                    _cast(_sum_in_order(parts), data.dtype)
+                )
             return rnd.result is not None
         if n == 1:
             rnd.summed = 1
-            rnd.result = (
-                data.tobytes()
-                if not isinstance(data.base, bytes)
-                else data.base
-            )
+            rnd.result = self.encode(data)
             return True
         if rnd.summed == 0:
             rnd.parts[self.rank] = data  # defer: the next push adds into it
@@ -113,7 +120,7 @@ class PushTicket:
             np.add(rnd.acc, data, out=rnd.acc, casting="unsafe")
         rnd.summed += 1
         if rnd.summed == n:
-            rnd.result = _finish(rnd.acc, data.dtype)
+            rnd.result = self.encode(_cast(rnd.acc, data.dtype))
             rnd.acc = None
         return rnd.result is not None
 
@@ -126,10 +133,12 @@ def _sum_in_order(parts: list[np.ndarray]) -> np.ndarray:
     return acc
 
 
-def _finish(acc: np.ndarray, dtype: np.dtype) -> bytes:
-    if acc.dtype != dtype:
-        acc = acc.astype(dtype)
-    return acc.tobytes()
+def _cast(acc: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    return acc if acc.dtype == dtype else acc.astype(dtype)
+
+
+def _tobytes(array: np.ndarray) -> bytes:
+    return array.tobytes()
 
 
 class Store:
@@ -143,6 +152,8 @@ class Store:
       deterministic: sum contributions in rank order, so the result is bitwise
         the same whatever the arrival order.
       round_window: how many rounds of one key may be live at once.
+      encode: turns a finished sum (an array) into the bytes every puller
+        receives; the default is the raw array bytes.
     """
 
     def __init__(
@@ -153,6 +164,7 @@ class Store:
         engine_threads: int = 1,
         deterministic: bool = False,
         round_window: int = 2,
+        encode=_tobytes,
     ):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}.")
@@ -160,6 +172,7 @@ class Store:
         self.round_timeout = round_timeout
         self.deterministic = deterministic
         self.round_window = round_window
+        self.encode = encode
         self._keys: dict[int, Key] = {}
         self._engine_bytes = [0] * max(1, engine_threads)
         self.rounds_completed = 0
@@ -215,7 +228,13 @@ class Store:
         data = np.frombuffer(payload, dtype=dtype)
         self.bytes_summed += len(payload)
         return PushTicket(
-            k, rnd, rank, data, self.num_workers, self.deterministic
+            k,
+            rnd,
+            rank,
+            data,
+            self.num_workers,
+            self.deterministic,
+            self.encode,
         )
 
     def finish_push(self, ticket: PushTicket) -> None:

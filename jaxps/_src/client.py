@@ -6,10 +6,9 @@ import random
 import time
 
 import grpc
-from jaxps.servers import _wire
+from jaxps.servers import _codec, _wire
 from jaxps.servers import jaxps_pb2 as pb
-from jaxps.servers import jaxps_pb2_grpc as pb_grpc
-from jaxps.servers._server import channel_options
+from jaxps.servers._server import SERVICE_NAME, channel_options
 
 from jaxps._src import errors
 
@@ -40,7 +39,21 @@ class ServerClient:
             ("grpc.enable_retries", 0),
         ]
         self._channel = grpc.insecure_channel(address, options=options)
-        self._stub = pb_grpc.SummationStub(self._channel)
+        method = f"/{SERVICE_NAME}/"
+        self._hello = self._channel.unary_unary(
+            method + "Hello",
+            request_serializer=pb.HelloRequest.SerializeToString,
+            response_deserializer=pb.HelloReply.FromString,
+        )
+        # Push requests and pull replies carry the payload: they are encoded
+        # and decoded by `_codec` to copy it once.
+        self._push = self._channel.unary_unary(
+            method + "Push", response_deserializer=pb.PushReply.FromString
+        )
+        self._pull = self._channel.unary_unary(
+            method + "Pull",
+            request_serializer=pb.PullRequest.SerializeToString,
+        )
         self.incarnation: str | None = None
 
     def close(self) -> None:
@@ -55,7 +68,7 @@ class ServerClient:
             num_workers=num_workers,
         )
         try:
-            reply = self._stub.Hello(
+            reply = self._hello(
                 request, timeout=self.timeout, wait_for_ready=True
             )
         except grpc.RpcError as err:
@@ -73,28 +86,37 @@ class ServerClient:
         return reply.incarnation
 
     def push(
-        self, header: pb.Header, payload: bytes, checksum: int, deadline: float
+        self, header: pb.Header, payload, checksum: int, deadline: float
     ) -> None:
-        """Pushes one chunk; retries UNAVAILABLE until `deadline`."""
-        request = pb.PushRequest(
-            header=header, payload=payload, checksum=checksum
-        )
-        reply = self._call(self._stub.Push, request, deadline, header, "push")
+        """Pushes one chunk (an array); retries UNAVAILABLE until `deadline`."""
+        request = _codec.encode_push(header, payload, checksum)
+        reply = self._call(self._push, request, deadline, header, "push")
         self._check_incarnation(reply.incarnation, header)
 
     def pull_future(self, header: pb.Header, deadline: float):
-        """Starts a pull; returns a grpc future of the PullReply."""
+        """Starts a pull; returns a grpc future of the encoded PullReply."""
         request = pb.PullRequest(header=header)
-        return self._stub.Pull.future(
+        return self._pull.future(
             request, timeout=max(0.01, deadline - time.monotonic())
         )
 
-    def pull(self, header: pb.Header, deadline: float) -> bytes:
+    def pull(self, header: pb.Header, deadline: float) -> memoryview:
         """Pulls one chunk's sum, blocking; retries UNAVAILABLE."""
         request = pb.PullRequest(header=header)
-        reply = self._call(self._stub.Pull, request, deadline, header, "pull")
-        self._check_incarnation(reply.incarnation, header)
-        return reply.payload
+        reply = self._call(self._pull, request, deadline, header, "pull")
+        return self.decode_pull(reply, header)
+
+    def decode_pull(self, reply: bytes, header: pb.Header) -> memoryview:
+        """Checks an encoded PullReply; returns its payload."""
+        try:
+            incarnation, payload = _codec.decode_pull_reply(reply)
+        except _codec.DecodeError as err:
+            raise errors.JaxpsError(
+                f"server {self.address} sent a malformed reply to the pull "
+                f"of {header.name} round {header.round}: {err}"
+            ) from None
+        self._check_incarnation(incarnation, header)
+        return payload
 
     def _call(self, method, request, deadline, header, what):
         attempt = 0
@@ -112,9 +134,6 @@ class ServerClient:
                 if not retry:
                     raise self.translate(err, what, header) from None
             time.sleep(min(1.0, 0.05 * 2**attempt) * random.uniform(0.5, 1.5))
-
-    def check_reply(self, reply, header: pb.Header) -> None:
-        self._check_incarnation(reply.incarnation, header)
 
     def _check_incarnation(self, incarnation: str, header) -> None:
         if self.incarnation is not None and incarnation != self.incarnation:

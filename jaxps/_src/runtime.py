@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+import grpc
 import numpy as np
 from jaxps.servers import _wire
 from jaxps.servers import jaxps_pb2 as pb
@@ -28,13 +29,13 @@ _FINGERPRINT_BYTES = 4096
 _STOP = object()
 
 
-def fingerprint(payload: bytes) -> int:
-    """crc32 of a payload's first and last 4 KiB and its length."""
-    if len(payload) > 2 * _FINGERPRINT_BYTES:
-        view = memoryview(payload)
+def fingerprint(array: np.ndarray) -> int:
+    """crc32 of an array's first and last 4 KiB and its length in bytes."""
+    view = memoryview(array.reshape(-1).view(np.uint8))
+    if len(view) > 2 * _FINGERPRINT_BYTES:
         head = _wire.checksum(view[:_FINGERPRINT_BYTES])
-        return _wire.checksum(view[-_FINGERPRINT_BYTES:]) ^ head ^ len(payload)
-    return _wire.checksum(payload)
+        return _wire.checksum(view[-_FINGERPRINT_BYTES:]) ^ head ^ len(view)
+    return _wire.checksum(view)
 
 
 class Handle:
@@ -177,9 +178,11 @@ class _Lane:
         timeout = self.client.timeout
         h = chunk.header
         try:
-            payload = chunk.source.tobytes()
             self.client.push(
-                h, payload, fingerprint(payload), time.monotonic() + timeout
+                h,
+                chunk.source,
+                fingerprint(chunk.source),
+                time.monotonic() + timeout,
             )
             future = self.client.pull_future(
                 h, time.monotonic() + pull_deadline(timeout)
@@ -194,10 +197,10 @@ class _Lane:
     def _pulled(self, chunk: _Chunk, future) -> None:
         try:
             try:
-                reply = future.result()
-                self.client.check_reply(reply, chunk.header)
-                payload = reply.payload
-            except Exception as err:  # noqa: BLE001 - grpc.RpcError mostly
+                payload = self.client.decode_pull(
+                    future.result(), chunk.header
+                )
+            except grpc.RpcError as err:
                 payload = self._retry_pull(chunk, err)
             data = np.frombuffer(payload, dtype=chunk.dest.dtype)
             if data.size != chunk.dest.size:
@@ -215,11 +218,7 @@ class _Lane:
         else:
             chunk.handle.chunk_done()
 
-    def _retry_pull(self, chunk: _Chunk, err: BaseException) -> bytes:
-        import grpc
-
-        if not isinstance(err, grpc.RpcError):
-            raise err
+    def _retry_pull(self, chunk: _Chunk, err: grpc.RpcError) -> memoryview:
         if err.code() != grpc.StatusCode.UNAVAILABLE:
             raise self.client.translate(err, "pull", chunk.header) from None
         deadline = time.monotonic() + pull_deadline(self.client.timeout)
