@@ -17,6 +17,7 @@ import numpy as np
 from jax.experimental import io_callback
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
+
 from jaxps.ops import _host
 
 push_pull_p = Primitive("jaxps_push_pull")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxps.ops import _primitive
 
 from jaxps._src import state
+from jaxps.ops import _primitive
 
 
 def leaf_names(tree, name: str) -> tuple[str, ...]:

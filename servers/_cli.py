@@ -67,6 +67,16 @@ def _parser() -> argparse.ArgumentParser:
         default=d.max_message_bytes,
         help="largest accepted message (default %(default)s)",
     )
+    p.add_argument(
+        "--token",
+        default=os.environ.get("JAXPS_TOKEN"),
+        help="shared secret every worker must send (default $JAXPS_TOKEN)",
+    )
+    p.add_argument("--tls-cert", help="PEM certificate: serve over TLS")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--tls-client-ca", help="PEM CA: also require client certificates"
+    )
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -93,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(
                 f"--{name.replace('_', '-')} must be >= 1, got {value}"
             )
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        parser.error("--tls-client-ca needs --tls-cert and --tls-key")
     if not 0 <= args.port < 65536:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     if args.round_timeout <= 0:
@@ -106,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         round_timeout=args.round_timeout,
         deterministic=args.deterministic,
         max_message_bytes=args.max_message_bytes,
+        token=args.token,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
     )
 
     def ready(server):
@@ -113,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         asyncio.run(_server.serve(opts, ready))
-    except OSError as err:
+    except (OSError, ValueError) as err:
         print(f"jaxps-server: error: {err}", file=sys.stderr)
         return 1
     return 0

@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from . import _service
+from . import _auth, _service
 
 log = logging.getLogger("jaxps.server")
 
@@ -32,6 +32,10 @@ class ServerOptions:
       deterministic: sum in rank order (bitwise reproducible).
       max_message_bytes: largest accepted request or reply.
       grace: seconds in-flight calls get to finish on shutdown.
+      token: shared secret every call must carry (``None``: no check).
+      tls_cert: PEM certificate file; with `tls_key` the server speaks TLS.
+      tls_key: PEM private key file.
+      tls_client_ca: PEM CA file; if given, clients need a certificate.
     """
 
     host: str = "127.0.0.1"
@@ -43,6 +47,10 @@ class ServerOptions:
     deterministic: bool = False
     max_message_bytes: int = 64 * 1024 * 1024 + 65536
     grace: float = 2.0
+    token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -112,13 +120,24 @@ def create_server(opts: ServerOptions) -> Server:
     options = channel_options(opts.max_message_bytes) + [
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(options=options)
+    interceptors = []
+    if opts.token:
+        interceptors.append(_auth.TokenInterceptor(opts.token))
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     server.add_generic_rpc_handlers((servicer.handler(),))
     health = health_async.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     address = f"{opts.host}:{opts.port}"
+    if bool(opts.tls_cert) != bool(opts.tls_key):
+        raise ValueError("TLS needs both a certificate and a key file.")
     try:
-        port = server.add_insecure_port(address)
+        if opts.tls_cert:
+            creds = _auth.server_credentials(
+                opts.tls_cert, opts.tls_key, opts.tls_client_ca
+            )
+            port = server.add_secure_port(address, creds)
+        else:
+            port = server.add_insecure_port(address)
     except RuntimeError as err:
         raise OSError(f"jaxps-server cannot bind {address}: {err}") from err
     if port == 0:

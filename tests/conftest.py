@@ -10,6 +10,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 import pytest  # noqa: E402
+
 from jaxps.servers._cli import READY_PREFIX  # noqa: E402
 
 

@@ -6,11 +6,11 @@ import random
 import time
 
 import grpc
-from jaxps.servers import _codec, _wire
-from jaxps.servers import jaxps_pb2 as pb
-from jaxps.servers._server import SERVICE_NAME, channel_options
 
 from jaxps._src import errors
+from jaxps.servers import _auth, _codec, _wire
+from jaxps.servers import jaxps_pb2 as pb
+from jaxps.servers._server import SERVICE_NAME, channel_options
 
 #: Attempts for a call that fails with UNAVAILABLE (a push is deduplicated by
 #: the server, so retrying it is safe).
@@ -27,10 +27,39 @@ _REJECTED = {
 }
 
 
+def channel_credentials(
+    ca: str, cert: str | None = None, key: str | None = None
+) -> grpc.ChannelCredentials:
+    """TLS credentials from PEM files (`cert`/`key` for client auth)."""
+
+    def read(path, what):
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as err:
+            raise errors.ConfigError(
+                f"cannot read {what} {path!r}: {err}"
+            ) from None
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=read(ca, "tls_ca"),
+        private_key=read(key, "tls_key") if key else None,
+        certificate_chain=read(cert, "tls_cert") if cert else None,
+    )
+
+
 class ServerClient:
     """Talks to one server: hello, push and pull, each with a deadline."""
 
-    def __init__(self, address: str, *, max_message_bytes: int, timeout: float):
+    def __init__(
+        self,
+        address: str,
+        *,
+        max_message_bytes: int,
+        timeout: float,
+        token: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ):
         self.address = address
         self.timeout = timeout
         options = channel_options(max_message_bytes) + [
@@ -38,7 +67,13 @@ class ServerClient:
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.enable_retries", 0),
         ]
-        self._channel = grpc.insecure_channel(address, options=options)
+        if credentials is None:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            self._channel = grpc.secure_channel(
+                address, credentials, options=options
+            )
+        self._metadata = ((_auth.TOKEN_KEY, token),) if token else None
         method = f"/{SERVICE_NAME}/"
         self._hello = self._channel.unary_unary(
             method + "Hello",
@@ -69,7 +104,10 @@ class ServerClient:
         )
         try:
             reply = self._hello(
-                request, timeout=self.timeout, wait_for_ready=True
+                request,
+                timeout=self.timeout,
+                wait_for_ready=True,
+                metadata=self._metadata,
             )
         except grpc.RpcError as err:
             if err.code() in (
@@ -97,7 +135,9 @@ class ServerClient:
         """Starts a pull; returns a grpc future of the encoded PullReply."""
         request = pb.PullRequest(header=header)
         return self._pull.future(
-            request, timeout=max(0.01, deadline - time.monotonic())
+            request,
+            timeout=max(0.01, deadline - time.monotonic()),
+            metadata=self._metadata,
         )
 
     def pull(self, header: pb.Header, deadline: float) -> memoryview:
@@ -124,7 +164,11 @@ class ServerClient:
             attempt += 1
             remaining = deadline - time.monotonic()
             try:
-                return method(request, timeout=max(0.01, remaining))
+                return method(
+                    request,
+                    timeout=max(0.01, remaining),
+                    metadata=self._metadata,
+                )
             except grpc.RpcError as err:
                 retry = (
                     err.code() == grpc.StatusCode.UNAVAILABLE

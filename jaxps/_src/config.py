@@ -24,6 +24,8 @@ ENV = {
     "partition_bytes": "JAXPS_PARTITION_BYTES",
     "timeout": "JAXPS_TIMEOUT",
     "credit_bytes": "JAXPS_CREDIT_BYTES",
+    "token": "JAXPS_TOKEN",
+    "tls_ca": "JAXPS_TLS_CA",
 }
 
 
@@ -42,6 +44,11 @@ class Config:
         fails naming what it waited for.
       credit_bytes: bytes being pushed to each server at once; chunks take
         credit in priority order.
+      token: shared secret sent with every call (servers run with --token).
+      tls_ca: PEM file of the CA that signed the servers' certificates;
+        setting it makes the worker connect over TLS.
+      tls_cert: PEM client certificate, for servers that require one.
+      tls_key: PEM private key of `tls_cert`.
     """
 
     servers: tuple[str, ...] = ()
@@ -51,6 +58,10 @@ class Config:
     partition_bytes: int = DEFAULT_PARTITION_BYTES
     timeout: float = 60.0
     credit_bytes: int = 4 * DEFAULT_PARTITION_BYTES
+    token: str | None = dataclasses.field(default=None, repr=False)
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     def __post_init__(self):
         _check_int("num_workers", self.num_workers, low=1)
@@ -72,6 +83,13 @@ class Config:
                 f"job_id must be a non-empty string. Got job_id="
                 f"{self.job_id!r}."
             )
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise errors.ConfigError(
+                "tls_cert and tls_key go together; got only "
+                f"{'tls_cert' if self.tls_cert else 'tls_key'}."
+            )
+        if self.tls_cert and not self.tls_ca:
+            raise errors.ConfigError("tls_cert needs tls_ca (TLS to servers).")
         for server in self.servers:
             _check_address(server)
         if len(set(self.servers)) != len(self.servers):
@@ -120,7 +138,7 @@ def _servers(value) -> tuple[str, ...]:
 
 def _parse(name: str, text: str) -> Any:
     var = ENV[name]
-    if name in ("servers", "job_id"):
+    if name in ("servers", "job_id", "token", "tls_ca"):
         return text
     try:
         if name == "timeout":

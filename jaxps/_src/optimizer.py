@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+
 from jaxps.ops import push_pull
 
 

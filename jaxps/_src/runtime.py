@@ -18,12 +18,12 @@ from collections.abc import Sequence
 
 import grpc
 import numpy as np
-from jaxps.servers import _wire
-from jaxps.servers import jaxps_pb2 as pb
 
 from jaxps._src import errors, topology
-from jaxps._src.client import ServerClient
+from jaxps._src.client import ServerClient, channel_credentials
 from jaxps._src.config import Config
+from jaxps.servers import _wire
+from jaxps.servers import jaxps_pb2 as pb
 
 _FINGERPRINT_BYTES = 4096
 _STOP = object()
@@ -197,9 +197,7 @@ class _Lane:
     def _pulled(self, chunk: _Chunk, future) -> None:
         try:
             try:
-                payload = self.client.decode_pull(
-                    future.result(), chunk.header
-                )
+                payload = self.client.decode_pull(future.result(), chunk.header)
             except grpc.RpcError as err:
                 payload = self._retry_pull(chunk, err)
             data = np.frombuffer(payload, dtype=chunk.dest.dtype)
@@ -256,9 +254,18 @@ class Runtime:
         self._lanes: list[_Lane] = []
         self.weights = [1.0] * len(config.servers)
         max_message = config.partition_bytes + _wire.MESSAGE_OVERHEAD
+        credentials = None
+        if config.tls_ca:
+            credentials = channel_credentials(
+                config.tls_ca, config.tls_cert, config.tls_key
+            )
         clients = [
             ServerClient(
-                s, max_message_bytes=max_message, timeout=config.timeout
+                s,
+                max_message_bytes=max_message,
+                timeout=config.timeout,
+                token=config.token,
+                credentials=credentials,
             )
             for s in config.servers
         ]

@@ -3,6 +3,7 @@
 import ml_dtypes
 import numpy as np
 import pytest
+
 from jaxps.servers import Store, StoreError, _wire
 
 
