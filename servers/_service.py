@@ -16,6 +16,7 @@ from . import jaxps_pb2 as pb
 log = logging.getLogger("jaxps.server")
 
 SERVICE = "jaxps.Summation"
+INCARNATION_KEY = "jaxps-incarnation"
 
 _CODES = {
     "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
@@ -112,6 +113,8 @@ class SummationServicer:
 
     async def _abort(self, context, err: _store.StoreError):
         code = _CODES.get(err.code) or getattr(grpc.StatusCode, err.code)
+        # Lets a worker tell "rejected" from "rejected by a restarted server".
+        context.set_trailing_metadata(((INCARNATION_KEY, self.incarnation),))
         await context.abort(code, err.message)
 
     # -- RPCs --------------------------------------------------------------

@@ -262,7 +262,8 @@ class Store:
         if k is None:
             raise StoreError(
                 "FAILED_PRECONDITION",
-                f"pull of unknown key {key} round {round}: push it first.",
+                f"pull of unknown key {key} round {round}: this server has "
+                "never seen a push of it (was it restarted?).",
             )
         self._check_schema(k, dtype_code, length)
         rnd = self._round(k, round, now)

@@ -28,8 +28,14 @@ def _launch_argv(*args: str) -> list[str]:
 
 
 def _run(tmp_path: Path, *args: str, timeout: float = 60):
-    return subprocess.run(_launch_argv(*args), cwd=tmp_path, env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        _launch_argv(*args),
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _script(code: str) -> list[str]:
@@ -80,8 +86,9 @@ class _Lines:
 
     def __init__(self, pipe):
         self.lines: list[str] = []
-        self._thread = threading.Thread(target=self._read, args=(pipe,),
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._read, args=(pipe,), daemon=True
+        )
         self._thread.start()
 
     def _read(self, pipe) -> None:
@@ -116,8 +123,17 @@ def test_workers_get_env_and_prefixed_output(tmp_path):
               "n", e["JAXPS_NUM_WORKERS"], "job", e["JAXPS_JOB_ID"])
         print("to stderr", e["JAXPS_WORKER_RANK"], file=sys.stderr)
     """
-    res = _run(tmp_path, "--workers", "2", "--servers", "1", "--job-id",
-               "job7", "--", *_script(code))
+    res = _run(
+        tmp_path,
+        "--workers",
+        "2",
+        "--servers",
+        "1",
+        "--job-id",
+        "job7",
+        "--",
+        *_script(code),
+    )
     assert res.returncode == 0, res.stderr
     lines = [ln for ln in res.stdout.splitlines() if "] rank " in ln]
     assert len(lines) == 2, res.stdout
@@ -145,8 +161,18 @@ def test_push_pull_across_two_servers(tmp_path):
         assert (y == 3).all(), y
         print("ok")
     """
-    res = _run(tmp_path, "--workers", "2", "--servers", "2", "--timeout",
-               "30", "--", *_script(code), timeout=110)
+    res = _run(
+        tmp_path,
+        "--workers",
+        "2",
+        "--servers",
+        "2",
+        "--timeout",
+        "30",
+        "--",
+        *_script(code),
+        timeout=110,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     assert "[worker 0] ok" in res.stdout.splitlines()
     assert "[worker 1] ok" in res.stdout.splitlines()
@@ -172,28 +198,45 @@ def test_first_failure_stops_the_rest(tmp_path):
         time.sleep(60)
     """
     start = time.monotonic()
-    res = _run(tmp_path, "--workers", "2", "--servers", "1", "--",
-               *_script(code))
+    res = _run(
+        tmp_path, "--workers", "2", "--servers", "1", "--", *_script(code)
+    )
     elapsed = time.monotonic() - start
     assert res.returncode == 3, res.stderr
     assert elapsed < 20
     assert "worker 0 failed (exit code 3)" in res.stderr
     pids = _read_pids(tmp_path, "pid1") + _read_pids(tmp_path, "grandchild")
     assert len(pids) == 2
-    _wait_for(lambda: not any(_running(p) for p in pids), 5,
-              "the sleeping worker and its child to be gone")
+    _wait_for(
+        lambda: not any(_running(p) for p in pids),
+        5,
+        "the sleeping worker and its child to be gone",
+    )
 
 
 @pytest.mark.timeout(60)
 def test_sigint_stops_everything(tmp_path):
-    cmd = _launch_argv("--workers", "2", "--servers", "1", "--",
-                       *_script(_SLEEPER))
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    cmd = _launch_argv(
+        "--workers", "2", "--servers", "1", "--", *_script(_SLEEPER)
+    )
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         out, err = _Lines(proc.stdout), _Lines(proc.stderr)
-        _wait_for(lambda: {"[worker 0] started 0", "[worker 1] started 1"}
-                  <= set(out.lines), 40, "both workers to start")
+        _wait_for(
+            lambda: (
+                {"[worker 0] started 0", "[worker 1] started 1"}
+                <= set(out.lines)
+            ),
+            40,
+            "both workers to start",
+        )
         children = _children(proc.pid)
         assert len(children) == 3  # One server and two workers.
         proc.send_signal(signal.SIGINT)
@@ -215,14 +258,22 @@ def test_sigterm_kills_a_worker_that_ignores_it(tmp_path):
         import signal
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     """) + textwrap.dedent(_SLEEPER)
-    cmd = _launch_argv("--workers", "1", "--servers", "0", "--",
-                       *_script(code))
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    cmd = _launch_argv("--workers", "1", "--servers", "0", "--", *_script(code))
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         out, err = _Lines(proc.stdout), _Lines(proc.stderr)
-        _wait_for(lambda: "[worker 0] started 0" in out.lines, 30,
-                  "the worker to start")
+        _wait_for(
+            lambda: "[worker 0] started 0" in out.lines,
+            30,
+            "the worker to start",
+        )
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=launch.STOP_GRACE + 10) == 143
     finally:
@@ -244,8 +295,18 @@ def test_single_worker_without_servers(capsys):
         print(repr(e["JAXPS_SERVERS"]), e["JAXPS_TIMEOUT"],
               e["JAXPS_JOB_ID"].startswith("jaxps-"))
     """
-    rc = launch.main(["--workers", "1", "--servers", "0", "--timeout", "7",
-                      "--", *_script(code)])
+    rc = launch.main(
+        [
+            "--workers",
+            "1",
+            "--servers",
+            "0",
+            "--timeout",
+            "7",
+            "--",
+            *_script(code),
+        ]
+    )
     assert rc == 0
     assert "[worker 0] '' 7.0 True" in capsys.readouterr().out.splitlines()
 
@@ -253,30 +314,32 @@ def test_single_worker_without_servers(capsys):
 @pytest.mark.timeout(30)
 def test_worker_killed_by_signal(capsys):
     code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
-    rc = launch.main(["--workers", "1", "--servers", "0", "--",
-                      *_script(code)])
+    rc = launch.main(["--workers", "1", "--servers", "0", "--", *_script(code)])
     assert rc == 128 + signal.SIGKILL
     assert "worker 0 failed (SIGKILL)" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(30)
 def test_missing_program(capsys):
-    rc = launch.main(["--workers", "1", "--servers", "0", "--",
-                      "./no-such-program"])
+    rc = launch.main(
+        ["--workers", "1", "--servers", "0", "--", "./no-such-program"]
+    )
     assert rc == 127
     assert "cannot start worker 0" in capsys.readouterr().err
 
 
 def _fake_server(monkeypatch, code: str) -> None:
-    monkeypatch.setattr(launch.Launcher, "_server_argv",
-                        lambda self: _script(code))
+    monkeypatch.setattr(
+        launch.Launcher, "_server_argv", lambda self: _script(code)
+    )
 
 
 @pytest.mark.timeout(30)
 def test_server_that_dies_before_ready(monkeypatch, capsys):
     _fake_server(monkeypatch, "import sys; sys.exit('boom')")
-    rc = launch.main(["--workers", "1", "--servers", "1", "--", PY, "-c",
-                      "print('never')"])
+    rc = launch.main(
+        ["--workers", "1", "--servers", "1", "--", PY, "-c", "print('never')"]
+    )
     assert rc == 1
     out, err = capsys.readouterr()
     assert "[server 0] boom" in err
@@ -289,8 +352,9 @@ def test_server_that_never_gets_ready(monkeypatch, capsys):
     monkeypatch.setattr(launch, "SERVER_START_TIMEOUT", 1.0)
     _fake_server(monkeypatch, "import time; time.sleep(60)")
     start = time.monotonic()
-    rc = launch.main(["--workers", "1", "--servers", "1", "--", PY, "-c",
-                      "print('never')"])
+    rc = launch.main(
+        ["--workers", "1", "--servers", "1", "--", PY, "-c", "print('never')"]
+    )
     assert rc == 1
     assert time.monotonic() - start < 15
     assert "server 0 printed no" in capsys.readouterr().err
@@ -298,11 +362,14 @@ def test_server_that_never_gets_ready(monkeypatch, capsys):
 
 @pytest.mark.timeout(30)
 def test_server_that_dies_while_workers_run(monkeypatch, capsys, tmp_path):
-    _fake_server(monkeypatch, f"""
+    _fake_server(
+        monkeypatch,
+        f"""
         import time
         print({launch.READY_PREFIX!r} + "127.0.0.1:1", flush=True)
         time.sleep(1)
-    """)
+    """,
+    )
     pid_file = tmp_path / "pid"
     sleeper = f"""
         import os, pathlib, time
@@ -310,26 +377,42 @@ def test_server_that_dies_while_workers_run(monkeypatch, capsys, tmp_path):
         time.sleep(60)
     """
     start = time.monotonic()
-    rc = launch.main(["--workers", "1", "--servers", "1", "--",
-                      *_script(sleeper)])
+    rc = launch.main(
+        ["--workers", "1", "--servers", "1", "--", *_script(sleeper)]
+    )
     assert rc == 1
     assert time.monotonic() - start < 15
     assert "server 0 ended (exit code 0) while workers were running" in (
-        capsys.readouterr().err)
+        capsys.readouterr().err
+    )
     assert not _running(int(pid_file.read_text()))
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("args, message", [
-    (["--workers", "0", "--servers", "1", "--", "true"], "--workers"),
-    (["--workers", "1", "--servers", "-1", "--", "true"], "--servers"),
-    (["--workers", "2", "--servers", "0", "--", "true"], "--servers 0"),
-    (["--workers", "1", "--servers", "1"], "command is required"),
-    (["--workers", "1", "--servers", "1", "--"], "command is required"),
-    (["--servers", "1", "--", "true"], "--workers"),
-    (["--workers", "1", "--servers", "1", "--timeout", "0", "--", "true"],
-     "--timeout"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--workers", "0", "--servers", "1", "--", "true"], "--workers"),
+        (["--workers", "1", "--servers", "-1", "--", "true"], "--servers"),
+        (["--workers", "2", "--servers", "0", "--", "true"], "--servers 0"),
+        (["--workers", "1", "--servers", "1"], "command is required"),
+        (["--workers", "1", "--servers", "1", "--"], "command is required"),
+        (["--servers", "1", "--", "true"], "--workers"),
+        (
+            [
+                "--workers",
+                "1",
+                "--servers",
+                "1",
+                "--timeout",
+                "0",
+                "--",
+                "true",
+            ],
+            "--timeout",
+        ),
+    ],
+)
 def test_bad_arguments(args, message, capsys):
     with pytest.raises(SystemExit) as exc:
         launch.main(args)
@@ -347,21 +430,36 @@ def test_bad_arguments_exit_code_of_the_command(tmp_path):
 
 
 def test_command_keeps_its_own_options_and_double_dash():
-    config = launch.parse_args(["--workers", "1", "--servers", "0", "--",
-                                "prog", "--workers", "5", "--", "x"])
+    config = launch.parse_args(
+        [
+            "--workers",
+            "1",
+            "--servers",
+            "0",
+            "--",
+            "prog",
+            "--workers",
+            "5",
+            "--",
+            "x",
+        ]
+    )
     assert config.command == ("prog", "--workers", "5", "--", "x")
-    config = launch.parse_args(["--workers", "1", "--servers", "0", "prog",
-                                "--flag", "--", "x"])
+    config = launch.parse_args(
+        ["--workers", "1", "--servers", "0", "prog", "--flag", "--", "x"]
+    )
     assert config.command == ("prog", "--flag", "--", "x")
 
 
 def test_timeout_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("JAXPS_TIMEOUT", "12.5")
-    config = launch.parse_args(["--workers", "1", "--servers", "0", "--",
-                                "prog"])
+    config = launch.parse_args(
+        ["--workers", "1", "--servers", "0", "--", "prog"]
+    )
     assert config.timeout == 12.5
     assert "JAXPS_TIMEOUT" not in config.worker_env
-    config = launch.parse_args(["--workers", "1", "--servers", "0",
-                                "--timeout", "3", "--", "prog"])
+    config = launch.parse_args(
+        ["--workers", "1", "--servers", "0", "--timeout", "3", "--", "prog"]
+    )
     assert config.timeout == 3.0
     assert config.worker_env["JAXPS_TIMEOUT"] == "3.0"

@@ -11,10 +11,16 @@ from jaxps._src import errors
 from jaxps.servers import _auth, _codec, _wire
 from jaxps.servers import jaxps_pb2 as pb
 from jaxps.servers._server import SERVICE_NAME, channel_options
+from jaxps.servers._service import INCARNATION_KEY
 
-#: Attempts for a call that fails with UNAVAILABLE (a push is deduplicated by
-#: the server, so retrying it is safe).
-RETRIES = 4
+#: Longest pause between two attempts of a call that failed with UNAVAILABLE.
+#: Such calls are retried until their deadline: a push is deduplicated by the
+#: server, so retrying it is safe.
+MAX_BACKOFF = 0.5
+#: How long after its first UNAVAILABLE a call is retried (at most until its
+#: deadline): long enough for a server restart, short enough to report a dead
+#: server soon.
+RETRY_WINDOW = 10.0
 
 _REJECTED = {
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -159,7 +165,8 @@ class ServerClient:
         return payload
 
     def _call(self, method, request, deadline, header, what):
-        attempt = 0
+        """Calls `method`, retrying UNAVAILABLE until `deadline`."""
+        attempt, give_up = 0, deadline
         while True:
             attempt += 1
             remaining = deadline - time.monotonic()
@@ -170,14 +177,17 @@ class ServerClient:
                     metadata=self._metadata,
                 )
             except grpc.RpcError as err:
+                if attempt == 1:
+                    give_up = min(deadline, time.monotonic() + RETRY_WINDOW)
+                pause = min(MAX_BACKOFF, 0.02 * 2**attempt)
+                pause *= random.uniform(0.5, 1.0)
                 retry = (
                     err.code() == grpc.StatusCode.UNAVAILABLE
-                    and attempt < RETRIES
-                    and deadline - time.monotonic() > 0.2
+                    and give_up - time.monotonic() > pause
                 )
                 if not retry:
                     raise self.translate(err, what, header) from None
-            time.sleep(min(1.0, 0.05 * 2**attempt) * random.uniform(0.5, 1.5))
+            time.sleep(pause)
 
     def _check_incarnation(self, incarnation: str, header) -> None:
         if self.incarnation is not None and incarnation != self.incarnation:
@@ -187,11 +197,28 @@ class ServerClient:
                 "and lost its rounds; restart the job."
             )
 
+    def _restarted(self, err: grpc.RpcError) -> errors.JaxpsError | None:
+        try:
+            trailing = err.trailing_metadata() or ()
+        except Exception:  # noqa: BLE001 - not every RpcError has metadata
+            return None
+        for key, value in trailing:
+            if key == INCARNATION_KEY and self.incarnation not in (None, value):
+                return errors.ServerRestartedError(
+                    f"server {self.address} restarted during the job and lost "
+                    f"its rounds (it now says: {err.details()}); restart the "
+                    "job."
+                )
+        return None
+
     def translate(
         self, err: grpc.RpcError, what: str, header: pb.Header | None = None
     ) -> errors.JaxpsError:
         """Turns a grpc error into the matching jaxps error."""
         code, details = err.code(), err.details() or ""
+        restarted = self._restarted(err)
+        if restarted is not None:
+            return restarted
         where = f"server {self.address}"
         if header is not None:
             label = header.name or f"key {header.key}"

@@ -121,8 +121,9 @@ class Config:
         values: dict[str, Any] = {}
         for field in dataclasses.fields(cls):
             value = overrides.get(field.name)
-            if value is None and ENV.get(field.name) in env:
-                value = _parse(field.name, env[ENV[field.name]])
+            var = ENV.get(field.name)
+            if value is None and var is not None and var in env:
+                value = _parse(field.name, env[var])
             if value is not None:
                 if field.name == "servers":
                     value = _servers(value)

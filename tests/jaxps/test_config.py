@@ -56,6 +56,15 @@ def test_bad_environment_value_names_the_variable():
         Config.from_env({"JAXPS_NUM_WORKERS": "x"})
 
 
+def test_reads_os_environ(monkeypatch):
+    monkeypatch.setenv("JAXPS_NUM_WORKERS", "2")
+    monkeypatch.setenv("JAXPS_SERVERS", "h:1")
+    monkeypatch.setenv("JAXPS_TOKEN", "s3cr3t")
+    cfg = Config.from_env()
+    assert cfg.num_workers == 2 and cfg.token == "s3cr3t"
+    assert "s3cr3t" not in repr(cfg)  # the token stays secret
+
+
 def test_unknown_setting():
     with pytest.raises(errors.ConfigError, match="unknown jaxps setting"):
         Config.from_env({}, num_servers=3)
