@@ -199,19 +199,20 @@ class Store:
         the round for every rank, so nobody waits for a sum that cannot be.
         """
         self._check_rank(rank)
+        dtype = self._dtype(key, dtype_code)
+        label = f"{key} ({name})" if name else str(key)
+        if length < 1 or len(payload) != length * dtype.itemsize:
+            raise StoreError(
+                "INVALID_ARGUMENT",
+                f"payload of key {label} has {len(payload)} bytes but "
+                f"length={length} elements of {dtype} need "
+                f"{max(length, 1) * dtype.itemsize} bytes.",
+            )
         try:
             k = self._key(key, dtype_code, length, name)
         except StoreError as err:
             self._poison(key, round, err)
             raise
-        dtype = _wire.code_dtype(dtype_code)
-        if len(payload) != length * dtype.itemsize:
-            raise StoreError(
-                "INVALID_ARGUMENT",
-                f"payload of key {self._label(k)} has {len(payload)} bytes "
-                f"but length={length} elements of {dtype} need "
-                f"{length * dtype.itemsize} bytes.",
-            )
         rnd = self._round(k, round, now)
         previous = rnd.pushed.get(rank)
         if previous is not None:
@@ -359,27 +360,27 @@ class Store:
                 f"{self.num_workers}).",
             )
 
+    @staticmethod
+    def _dtype(key: int, dtype_code: int) -> np.dtype:
+        try:
+            return _wire.code_dtype(dtype_code)
+        except KeyError:
+            raise StoreError(
+                "INVALID_ARGUMENT",
+                f"dtype of key {key} is {_wire.dtype_name(dtype_code)}; "
+                f"supported: {', '.join(_wire.SUPPORTED_DTYPES)}.",
+            ) from None
+
     def _key(self, key: int, dtype_code: int, length: int, name: str) -> Key:
+        """The key's state, created by its first (validated) push."""
         k = self._keys.get(key)
         if k is None:
-            try:
-                dtype = _wire.code_dtype(dtype_code)
-            except KeyError:
-                raise StoreError(
-                    "INVALID_ARGUMENT",
-                    f"dtype of key {key} is {_wire.dtype_name(dtype_code)}; "
-                    f"supported: {', '.join(_wire.SUPPORTED_DTYPES)}.",
-                ) from None
-            if length < 1:
-                raise StoreError(
-                    "INVALID_ARGUMENT",
-                    f"length of key {key} must be >= 1, got {length}.",
-                )
             engine = min(
                 range(len(self._engine_bytes)),
                 key=self._engine_bytes.__getitem__,
             )
-            self._engine_bytes[engine] += length * dtype.itemsize
+            itemsize = _wire.code_dtype(dtype_code).itemsize
+            self._engine_bytes[engine] += length * itemsize
             k = Key(key, name, dtype_code, length, engine)
             self._keys[key] = k
             return k

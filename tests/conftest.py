@@ -4,10 +4,8 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
-import contextlib  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -73,10 +71,9 @@ def start_servers():
         server.stop()
 
 
-@contextlib.contextmanager
-def deadline(seconds: float, what: str):
-    """Fails if the block takes longer than `seconds`."""
-    start = time.monotonic()
-    yield
-    took = time.monotonic() - start
-    assert took < seconds, f"{what} took {took:.1f} s (limit {seconds} s)"
+@pytest.fixture(scope="module")
+def module_server():
+    """One 2-worker server shared by a module's tests."""
+    server = ServerProcess(2)
+    yield server
+    server.stop()

@@ -128,6 +128,8 @@ def test_schema_mismatch(change, message):
     args.update(change)
     if "length" in change:
         args["payload"] = np.ones(4, np.float32).tobytes()
+    else:
+        args["payload"] = np.ones(3, np.float64).tobytes()
     with pytest.raises(StoreError, match=message) as e:
         store.begin_push(**args)
     assert e.value.code == "INVALID_ARGUMENT"

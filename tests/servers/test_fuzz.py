@@ -1,0 +1,226 @@
+"""Exactly-once under random interleavings, and fuzzing of the wire decoding.
+
+Property tests use hypothesis; the server fuzz sends malformed messages to a
+real server process and checks it keeps serving well-formed workers.
+"""
+
+import random
+import struct
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxps._src.config import Config
+from jaxps._src.runtime import Runtime
+from jaxps.servers import Store, _codec, _wire
+from jaxps.servers import jaxps_pb2 as pb
+
+
+@settings(max_examples=2000, deadline=100)
+@given(st.binary(max_size=300))
+def test_decoder_never_fails_but_with_decode_error(data):
+    try:
+        _codec.decode_push(data)
+    except _codec.DecodeError:
+        pass
+    try:
+        _codec.decode_pull_reply(data)
+    except _codec.DecodeError:
+        pass
+
+
+def _valid_push(length=3):
+    h = pb.Header(
+        version=1, job_id="j", rank=0, key=5, round=0, dtype=1, length=length
+    )
+    return _codec.encode_push(h, np.arange(length, dtype=np.float32), 7)
+
+
+@settings(max_examples=500, deadline=100)
+@given(st.data())
+def test_decoder_on_mutated_valid_messages(data):
+    raw = bytearray(_valid_push())
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(raw) - 1))
+        raw[i] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(raw)))
+    try:
+        _codec.decode_push(bytes(raw[:cut]))
+    except _codec.DecodeError:
+        pass
+
+
+def test_codec_matches_protobuf():
+    h = pb.Header(version=1, job_id="j", rank=2, key=9, round=3, dtype=1)
+    x = np.arange(5, dtype=np.float32)
+    raw = _codec.encode_push(h, x, 0xDEADBEEF)
+    msg = pb.PushRequest.FromString(raw)
+    assert msg.header == h and msg.checksum == 0xDEADBEEF
+    assert msg.payload == x.tobytes()
+    h2, payload, checksum = _codec.decode_push(msg.SerializeToString())
+    assert h2 == h and bytes(payload) == x.tobytes() and checksum == 0xDEADBEEF
+    reply = pb.PullReply(incarnation="abc", payload=b"xyz")
+    assert _codec.encode_pull_reply("abc", b"xyz") == reply.SerializeToString()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(1, 4),
+    repeats=st.lists(st.integers(0, 3), min_size=4, max_size=4),
+    seed=st.integers(0, 2**32 - 1),
+    deterministic=st.booleans(),
+)
+def test_exactly_once_under_duplicates_and_shuffles(
+    n, repeats, seed, deterministic
+):
+    """Each rank's push of every round arrives 1 + repeats[rank] times (the
+    retries of a lost acknowledgement), ranks move at random speeds through 4
+    rounds and pull when their pushes are out: the sums are exact, so no
+    contribution is counted twice or into another round."""
+    rng = random.Random(seed)
+    store = Store(n, deterministic=deterministic)
+    rounds, code = 4, _wire.dtype_code(np.int64)
+
+    def payload(rank, r):
+        return np.full(6, (rank + 1) * 10 ** (r + 1), np.int64)
+
+    at = [0] * n  # each rank's round
+    copies = [1 + repeats[rank] for rank in range(n)]
+    while min(at) < rounds:
+        rank = rng.choice([k for k in range(n) if at[k] < rounds])
+        r = at[rank]
+        if copies[rank]:
+            data = payload(rank, r).tobytes()
+            ticket = store.begin_push(
+                key=1,
+                round=r,
+                rank=rank,
+                dtype_code=code,
+                length=6,
+                payload=data,
+                checksum=_wire.checksum(data),
+            )
+            if ticket is not None:
+                ticket.run()
+                store.finish_push(ticket)
+            copies[rank] -= 1
+            continue
+        _, result = store.pull(
+            key=1, round=r, rank=rank, dtype_code=code, length=6
+        )
+        if result is None:
+            continue
+        expected = sum(payload(k, r) for k in range(n))
+        np.testing.assert_array_equal(np.frombuffer(result, np.int64), expected)
+        at[rank] += 1
+        copies[rank] = 1 + repeats[rank]
+    assert store.pending_rounds() == 0
+
+
+def raw_call(channel, method, data):
+    call = channel.unary_unary(f"/jaxps.Summation/{method}")
+    try:
+        call(data, timeout=5)
+    except grpc.RpcError as err:
+        return err.code(), err.details()
+    return grpc.StatusCode.OK, ""
+
+
+def header_bytes(**fields):
+    base = dict(version=1, job_id="jaxps", rank=0, key=1, round=0, dtype=1)
+    base.update(fields)
+    return pb.Header(**base)
+
+
+@pytest.mark.timeout(120)
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(st.data())
+def test_server_survives_malformed_requests(module_server, data):
+    server = module_server
+    kind = data.draw(st.sampled_from(["random", "length", "dtype", "huge"]))
+    if kind == "random":
+        method = data.draw(st.sampled_from(["Push", "Pull", "Hello"]))
+        raw = data.draw(st.binary(max_size=200))
+    else:
+        method = "Push"
+        key = data.draw(st.integers(100, 2**40))
+        if kind == "length":
+            h = header_bytes(key=key, length=data.draw(st.integers(0, 50)))
+            payload = b"\0" * data.draw(st.integers(0, 50))
+        elif kind == "dtype":
+            h = header_bytes(
+                key=key, length=1, dtype=data.draw(st.integers(7, 2**31 - 1))
+            )
+            payload = b"\0" * 4
+        else:
+            h = header_bytes(
+                key=key, length=data.draw(st.integers(2**40, 2**63))
+            )
+            payload = b"\0" * 8
+        raw = _codec.encode_push(h, payload, 0)
+        if kind == "length" and h.length * 4 == len(payload) and h.length:
+            return  # well-formed after all
+    with grpc.insecure_channel(server.address) as channel:
+        code, details = raw_call(channel, method, raw)
+    assert code not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), (
+        code,
+        details,
+    )
+    if kind in ("length", "dtype", "huge"):
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+        assert ("length" in details) or ("dtype" in details), details
+    assert server.proc.poll() is None
+
+
+@pytest.mark.timeout(60)
+def test_server_keeps_serving_during_garbage(start_servers):
+    (server,) = start_servers(1, 2)
+    stop = threading.Event()
+    rng = random.Random(0)
+
+    def garbage():
+        with grpc.insecure_channel(server.address) as channel:
+            while not stop.is_set():
+                blob = bytes(rng.randrange(256) for _ in range(64))
+                raw_call(channel, "Push", struct.pack("<I", 9) + blob)
+
+    t = threading.Thread(target=garbage, daemon=True)
+    t.start()
+    try:
+        outs = []
+
+        def work(rank):
+            cfg = Config(
+                servers=(server.address,), num_workers=2, worker_rank=rank
+            )
+            rt = Runtime(cfg)
+            try:
+                for i in range(20):
+                    outs.append(
+                        rt.push_pull(
+                            "w", np.full(100, i, np.float32), average=False
+                        )
+                    )
+            finally:
+                rt.close()
+
+        workers = [threading.Thread(target=work, args=(r,)) for r in range(2)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(30)
+        assert len(outs) == 40
+    finally:
+        stop.set()
+        t.join(5)
+    time.sleep(0.1)
+    assert server.proc.poll() is None
