@@ -19,9 +19,10 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
-from jaxps._src import errors, topology
+from jaxps._src import errors
 from jaxps._src.client import ServerClient, channel_credentials
 from jaxps._src.config import Config
+from jaxps._src.plan import make_plan
 from jaxps.servers import _wire
 from jaxps.servers import jaxps_pb2 as pb
 
@@ -313,83 +314,87 @@ class Runtime:
             )
         if len(set(names)) != len(names):
             raise ValueError(f"tensor names must be unique, got {names}.")
-        flats, dtypes = [], []
+        flats = []
         for name, array in zip(names, arrays):
             array = np.asarray(array)
-            code = _check_array(name, array, average)
+            _check_array(name, array, average)
             flats.append(np.ascontiguousarray(array).reshape(-1))
-            dtypes.append(code)
-        outs = [np.empty_like(f) for f in flats]
         shapes = [np.shape(a) for a in arrays]
         timeout = 2 * pull_deadline(self.config.timeout)
         if not self._lanes:  # a single worker without servers
-            for out, flat in zip(outs, flats):
-                out[...] = flat
+            outs = [f.copy() for f in flats]
             return Handle(list(names), outs, shapes, 0, None, timeout)
-        plan = self._plan(names, flats)
-        rounds = self._begin(names)
+        if priorities is None:
+            priorities = [-i for i in range(len(names))]
+        plan = self._plan(names, flats, tuple(priorities))
+        outs: list = [None] * len(flats)
+        pieces = []  # (piece, source, dest)
+        for piece in plan:
+            if piece.fused:
+                dest = np.empty(piece.length, flats[piece.members[0][0]].dtype)
+                parts, offset = [], 0
+                for t, lo, hi in piece.members:
+                    parts.append(flats[t][lo:hi])
+                    outs[t] = dest[offset : offset + hi - lo]  # a view
+                    offset += hi - lo
+                pieces.append((piece, np.concatenate(parts), dest))
+            else:
+                ((t, lo, hi),) = piece.members
+                if outs[t] is None:
+                    outs[t] = np.empty_like(flats[t])
+                pieces.append((piece, flats[t][lo:hi], outs[t][lo:hi]))
+        rounds = self._begin(names, [p.wire_name for p in plan])
         divisor = self.size if average else None
-        pending = sum(len(ranges) for ranges, _ in plan)
         handle = Handle(
             list(names),
             outs,
             shapes,
-            pending,
+            len(pieces),
             lambda: self._end(names),
             timeout,
         )
-        if priorities is None:
-            priorities = [-i for i in range(len(names))]
         seq = next(self._seq)
-        for t, (name, flat, out) in enumerate(zip(names, flats, outs)):
-            tid = topology.tensor_id(name)
-            ranges, servers = plan[t]
-            for c, ((lo, hi), s) in enumerate(zip(ranges, servers)):
-                header = pb.Header(
-                    version=_wire.PROTOCOL_VERSION,
-                    job_id=self.config.job_id,
-                    rank=self.rank,
-                    key=_wire.make_key(tid, c),
-                    round=rounds[t],
-                    dtype=dtypes[t],
-                    length=hi - lo,
-                    name=f"{name}[{c}]",
-                )
-                lane = self._lanes[s]
-                chunk = _Chunk(
-                    handle, flat[lo:hi], out[lo:hi], header, divisor, lane
-                )
-                lane.queue.put((-priorities[t], seq, c, id(chunk), chunk))
+        for i, (piece, source, dest) in enumerate(pieces):
+            header = pb.Header(
+                version=_wire.PROTOCOL_VERSION,
+                job_id=self.config.job_id,
+                rank=self.rank,
+                key=piece.key,
+                round=rounds[piece.wire_name],
+                dtype=_wire.dtype_code(source.dtype),
+                length=piece.length,
+                name=piece.label,
+            )
+            lane = self._lanes[piece.server]
+            chunk = _Chunk(handle, source, dest, header, divisor, lane)
+            lane.queue.put((-piece.priority, seq, i, chunk))
         return handle
 
     def push_pull(self, name: str, array, *, average: bool = True):
         """Sums one array over all workers and returns the (mean) sum."""
         return self.push_pull_async([name], [array], average=average).wait()[0]
 
-    def _plan(self, names, flats):
-        sig = tuple((n, f.size, f.dtype.str) for n, f in zip(names, flats))
+    def _plan(self, names, flats, priorities):
+        sig = (
+            tuple((n, f.size, f.dtype.str) for n, f in zip(names, flats)),
+            priorities,
+        )
         plan = self._plans.get(sig)
         if plan is None:
-            part = self.config.partition_bytes
-            per_tensor = [
-                topology.chunk_ranges(f.size, f.itemsize, part) for f in flats
-            ]
-            sizes = [
-                (hi - lo) * f.itemsize
-                for f, ranges in zip(flats, per_tensor)
-                for lo, hi in ranges
-            ]
-            servers = topology.assign_servers(
-                sizes, self.weights, salt=topology.tensor_id(names[0])
+            plan = make_plan(
+                list(names),
+                [f.size for f in flats],
+                [f.dtype.str for f in flats],
+                [f.itemsize for f in flats],
+                list(priorities),
+                partition_bytes=self.config.partition_bytes,
+                weights=self.weights,
             )
-            plan, i = [], 0
-            for ranges in per_tensor:
-                plan.append((ranges, servers[i : i + len(ranges)]))
-                i += len(ranges)
             self._plans[sig] = plan
         return plan
 
-    def _begin(self, names) -> list[int]:
+    def _begin(self, names, wire_names) -> dict[str, int]:
+        """Marks `names` in flight; returns the round of each wire name."""
         with self._lock:
             busy = self._in_flight.intersection(names)
             if busy:
@@ -398,11 +403,11 @@ class Runtime:
                     "for it before pushing the same name again."
                 )
             self._in_flight.update(names)
-            rounds = []
-            for name in names:
-                r = self._rounds.get(name, 0)
-                self._rounds[name] = r + 1
-                rounds.append(r)
+            rounds = {}
+            for wire in wire_names:
+                if wire not in rounds:
+                    rounds[wire] = self._rounds.get(wire, 0)
+                    self._rounds[wire] = rounds[wire] + 1
             return rounds
 
     def _end(self, names) -> None:
@@ -416,9 +421,9 @@ class Runtime:
         self._lanes = []
 
 
-def _check_array(name: str, array: np.ndarray, average: bool) -> int:
+def _check_array(name: str, array: np.ndarray, average: bool) -> None:
     try:
-        code = _wire.dtype_code(array.dtype)
+        _wire.dtype_code(array.dtype)
     except TypeError as err:
         raise TypeError(f"push_pull of {name!r}: {err}") from None
     if array.size == 0:
@@ -431,4 +436,3 @@ def _check_array(name: str, array: np.ndarray, average: bool) -> int:
             f"push_pull of {name!r}: average=True needs a floating dtype, "
             f"got {array.dtype}; pass average=False to sum integers."
         )
-    return code

@@ -181,3 +181,30 @@ def test_local_bad_inputs():
     np.testing.assert_array_equal(
         rt.push_pull("x", np.arange(3.0)), np.arange(3.0)
     )
+
+
+@pytest.mark.timeout(120)
+def test_fused_small_tensors_of_mixed_dtypes(start_servers):
+    servers = start_servers(2, 2)
+    dtypes = [np.float32, np.int32, np.float32, np.float64, np.int64] * 4
+    sizes = [1, 7, 100, 33, 2] * 4
+
+    def fn(rt):
+        arrays = [
+            contribution(rt.rank, s, d, seed=i)
+            for i, (s, d) in enumerate(zip(sizes, dtypes))
+        ]
+        names = [f"p{i}" for i in range(len(arrays))]
+        return [
+            rt.push_pull_async(names, arrays, average=False).wait()
+            for _ in range(3)
+        ]
+
+    for rounds in run_workers(2, servers, fn, partition_bytes=1024):
+        for outs in rounds:
+            for i, (out, s, d) in enumerate(zip(outs, sizes, dtypes)):
+                expected = sum(
+                    contribution(r, s, np.float64, seed=i) for r in range(2)
+                ).astype(d)
+                assert out.dtype == np.dtype(d)
+                np.testing.assert_array_equal(out, expected)

@@ -1,0 +1,58 @@
+"""The wire plan: chunking of large tensors, fusion of small ones."""
+
+from jaxps._src.plan import make_plan
+
+
+def plan(sizes, dtypes=None, part=100, servers=2):
+    names = [f"t{i}" for i in range(len(sizes))]
+    dtypes = dtypes or ["<f4"] * len(sizes)
+    itemsizes = [int(d[-1]) for d in dtypes]
+    return make_plan(
+        names,
+        sizes,
+        dtypes,
+        itemsizes,
+        [-i for i in range(len(sizes))],
+        partition_bytes=part,
+        weights=[1.0] * servers,
+    )
+
+
+def covered(pieces, sizes):
+    seen = {t: [] for t in range(len(sizes))}
+    for p in pieces:
+        for t, lo, hi in p.members:
+            seen[t].append((lo, hi))
+    for t, ranges in seen.items():
+        ranges.sort()
+        assert ranges[0][0] == 0 and ranges[-1][1] == sizes[t]
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+def test_small_tensors_are_fused_within_the_partition():
+    sizes = [5, 5, 5, 5, 5, 5]  # 20 bytes each, 100-byte pieces
+    pieces = plan(sizes)
+    assert [len(p.members) for p in pieces] == [5, 1]
+    assert all(p.length * 4 <= 100 for p in pieces)
+    assert pieces[0].fused and pieces[0].wire_name.startswith("fused:")
+    assert pieces[1].wire_name == "t5"  # a lone tensor keeps its own name
+    covered(pieces, sizes)
+
+
+def test_large_tensors_are_chunked_and_dtypes_never_mixed():
+    sizes = [60, 3, 3, 2]
+    dtypes = ["<f4", "<f4", "<f8", "<f8"]
+    pieces = plan(sizes, dtypes)
+    big = [p for p in pieces if p.wire_name == "t0"]
+    assert len(big) == 3 and {p.key & 0xFFFF for p in big} == {0, 1, 2}
+    for p in pieces:
+        assert len({dtypes[t] for t, _, _ in p.members}) == 1
+    covered(pieces, sizes)
+
+
+def test_plan_is_deterministic_and_spreads_over_servers():
+    sizes = [100] * 8
+    a, b = plan(sizes, part=400), plan(sizes, part=400)
+    assert a == b
+    assert {p.server for p in a} == {0, 1}
+    assert len({p.key for p in a}) == len(a)
