@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 
-from jaxps._src import errors, state
+from jaxps._src import errors, state, timeline
 
 _lock = threading.Lock()
 _tickets: dict[int, object] = {}
@@ -27,6 +27,7 @@ def shard_names(names: tuple[str, ...], shard: int) -> list[str]:
 
 def start(names, average, priorities, shard, *arrays) -> np.ndarray:
     """Starts push_pull of `arrays`; returns a ticket for `done`."""
+    began = timeline.now()
     runtime = state.runtime()
     # The callback's arrays may alias device memory that is only valid during
     # the call: copy them (this is the device-to-host copy).
@@ -39,20 +40,27 @@ def start(names, average, priorities, shard, *arrays) -> np.ndarray:
     )
     ticket = next(_next)
     with _lock:
-        _tickets[ticket] = handle
+        _tickets[ticket] = (handle, runtime.timeline)
+    if runtime.timeline is not None:
+        runtime.timeline.span("start", "device", began, timeline.now())
     return np.int32(ticket & 0x7FFFFFFF)
 
 
 def done(ticket) -> tuple[np.ndarray, ...]:
     """Waits for the sums of a ticket from `start`."""
+    began = timeline.now()
     with _lock:
-        handle = _tickets.pop(int(ticket), None)
+        handle, trace = _tickets.pop(int(ticket), (None, None))
     if handle is None:
         raise errors.JaxpsError(
             f"push_pull ticket {int(ticket)} is unknown: its start did not run "
             "in this process, or its result was already taken."
         )
-    return tuple(handle.wait())
+    try:
+        return tuple(handle.wait())
+    finally:
+        if trace is not None:
+            trace.span("done", "device", began, timeline.now())
 
 
 def pending() -> int:

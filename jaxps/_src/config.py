@@ -23,9 +23,9 @@ ENV = {
     "job_id": "JAXPS_JOB_ID",
     "partition_bytes": "JAXPS_PARTITION_BYTES",
     "timeout": "JAXPS_TIMEOUT",
-    "credit_bytes": "JAXPS_CREDIT_BYTES",
     "token": "JAXPS_TOKEN",
     "tls_ca": "JAXPS_TLS_CA",
+    "trace_dir": "JAXPS_TRACE_DIR",
 }
 
 
@@ -49,6 +49,8 @@ class Config:
         setting it makes the worker connect over TLS.
       tls_cert: PEM client certificate, for servers that require one.
       tls_key: PEM private key of `tls_cert`.
+      trace_dir: write a Chrome/Perfetto trace of every chunk's stages to
+        ``<trace_dir>/jaxps-rank<r>.trace.json`` at shutdown.
     """
 
     servers: tuple[str, ...] = ()
@@ -62,6 +64,7 @@ class Config:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    trace_dir: str | None = None
 
     def __post_init__(self):
         _check_int("num_workers", self.num_workers, low=1)
@@ -139,7 +142,7 @@ def _servers(value) -> tuple[str, ...]:
 
 def _parse(name: str, text: str) -> Any:
     var = ENV[name]
-    if name in ("servers", "job_id", "token", "tls_ca"):
+    if name in ("servers", "job_id", "token", "tls_ca", "trace_dir"):
         return text
     try:
         if name == "timeout":

@@ -11,6 +11,7 @@ queue chunks in different orders cannot deadlock each other.
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import threading
 import time
@@ -20,6 +21,7 @@ import grpc
 import numpy as np
 
 from jaxps._src import errors
+from jaxps._src import timeline as _timeline
 from jaxps._src.client import ServerClient, channel_credentials
 from jaxps._src.config import Config
 from jaxps._src.plan import make_plan
@@ -42,8 +44,12 @@ def fingerprint(array: np.ndarray) -> int:
 class Handle:
     """The result of `Runtime.push_pull_async`; `wait()` returns the sums."""
 
-    def __init__(self, names, outs, shapes, pending, release, timeout):
+    def __init__(
+        self, names, outs, shapes, pending, release, timeout, timeline=None
+    ):
         self.names = names
+        self._timeline = timeline
+        self._created = _timeline.now()
         self._outs = outs
         self._shapes = shapes
         self._pending = pending
@@ -60,6 +66,15 @@ class Handle:
         release, self._release = self._release, None
         if release is not None:
             release()
+            if self._timeline is not None:
+                self._timeline.span(
+                    "in_flight",
+                    "push_pull",
+                    self._created,
+                    _timeline.now(),
+                    tensors=len(self.names),
+                    first=self.names[0],
+                )
         self._event.set()
 
     def chunk_done(self) -> None:
@@ -97,6 +112,7 @@ class Handle:
 
 class _Chunk:
     __slots__ = (
+        "queued",
         "handle",
         "source",
         "dest",
@@ -107,6 +123,7 @@ class _Chunk:
     )
 
     def __init__(self, handle, source, dest, header, divisor, lane):
+        self.queued = _timeline.now()
         self.handle = handle
         self.source = source
         self.dest = dest
@@ -119,8 +136,12 @@ class _Chunk:
 class _Lane:
     """The queue, credit and sender threads of one server."""
 
-    def __init__(self, client: ServerClient, credit: int, senders: int):
+    def __init__(
+        self, client: ServerClient, credit: int, senders: int, timeline=None
+    ):
         self.client = client
+        self.timeline = timeline
+        self.row = f"server {client.address}"
         self.credit = credit
         self.in_flight = 0
         self._cv = threading.Condition()
@@ -175,9 +196,20 @@ class _Lane:
                     continue
             self._send(chunk)
 
+    def _span(self, stage: str, start: float, chunk: _Chunk) -> float:
+        end = _timeline.now()
+        if self.timeline is not None:
+            h = chunk.header
+            self.timeline.span(
+                stage, self.row, start, end, chunk=h.name, round=h.round,
+                bytes=chunk.nbytes,
+            )  # fmt: skip
+        return end
+
     def _send(self, chunk: _Chunk) -> None:
         timeout = self.client.timeout
         h = chunk.header
+        pushed = self._span("queue", chunk.queued, chunk)
         try:
             self.client.push(
                 h,
@@ -193,9 +225,10 @@ class _Lane:
             return
         finally:
             self.release(chunk.nbytes)
-        future.add_done_callback(lambda f: self._pulled(chunk, f))
+        pulling = self._span("push", pushed, chunk)
+        future.add_done_callback(lambda f: self._pulled(chunk, f, pulling))
 
-    def _pulled(self, chunk: _Chunk, future) -> None:
+    def _pulled(self, chunk: _Chunk, future, pulling: float) -> None:
         try:
             try:
                 payload = self.client.decode_pull(future.result(), chunk.header)
@@ -215,6 +248,7 @@ class _Lane:
         except BaseException as err:  # noqa: BLE001 - reported to the waiter
             chunk.handle.fail(err)
         else:
+            self._span("pull", pulling, chunk)
             chunk.handle.chunk_done()
 
     def _retry_pull(self, chunk: _Chunk, err: grpc.RpcError) -> memoryview:
@@ -282,7 +316,18 @@ class Runtime:
                 c.close()
             raise
         credit = max(config.credit_bytes, config.partition_bytes)
-        self._lanes = [_Lane(c, credit, senders_per_server) for c in clients]
+        self.timeline = None
+        if config.trace_dir:
+            self.timeline = _timeline.Timeline(
+                os.path.join(
+                    config.trace_dir,
+                    f"jaxps-rank{config.worker_rank}.trace.json",
+                ),
+                config.worker_rank,
+            )
+        self._lanes = [
+            _Lane(c, credit, senders_per_server, self.timeline) for c in clients
+        ]
 
     @property
     def rank(self) -> int:
@@ -352,6 +397,7 @@ class Runtime:
             len(pieces),
             lambda: self._end(names),
             timeout,
+            self.timeline,
         )
         seq = next(self._seq)
         for i, (piece, source, dest) in enumerate(pieces):
@@ -419,6 +465,9 @@ class Runtime:
         for lane in self._lanes:
             lane.stop()
         self._lanes = []
+        if self.timeline is not None:
+            self.timeline.close()
+            self.timeline = None
 
 
 def _check_array(name: str, array: np.ndarray, average: bool) -> None:
