@@ -18,6 +18,7 @@ DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024
 #: Field name -> environment variable.
 ENV = {
     "servers": "JAXPS_SERVERS",
+    "colocated_servers": "JAXPS_COLOCATED_SERVERS",
     "num_workers": "JAXPS_NUM_WORKERS",
     "worker_rank": "JAXPS_WORKER_RANK",
     "job_id": "JAXPS_JOB_ID",
@@ -34,8 +35,12 @@ class Config:
     """Settings of a jaxps worker.
 
     Attributes:
-      servers: ``host:port`` of every summation server. Empty with one worker
-        means no communication at all.
+      servers: ``host:port`` of every CPU summation server. Empty with one
+        worker (and no colocated servers) means no communication at all.
+      colocated_servers: ``host:port`` of servers running on the worker hosts
+        ("mixed mode"). With n of them and k CPU servers, each CPU server takes
+        2(n-1)/(n^2+kn-2k) of the traffic and each colocated one
+        (n-k)/(n^2+kn-2k), the optimum of the BytePS paper.
       num_workers: number of worker processes in the job.
       worker_rank: this worker's rank in ``[0, num_workers)``.
       job_id: a name shared by the job's workers and servers.
@@ -54,6 +59,7 @@ class Config:
     """
 
     servers: tuple[str, ...] = ()
+    colocated_servers: tuple[str, ...] = ()
     num_workers: int = 1
     worker_rank: int = 0
     job_id: str = "jaxps"
@@ -93,13 +99,14 @@ class Config:
             )
         if self.tls_cert and not self.tls_ca:
             raise errors.ConfigError("tls_cert needs tls_ca (TLS to servers).")
-        for server in self.servers:
+        every = self.servers + self.colocated_servers
+        for server in every:
             _check_address(server)
-        if len(set(self.servers)) != len(self.servers):
+        if len(set(every)) != len(every):
             raise errors.ConfigError(
-                f"servers lists an address twice: {list(self.servers)}."
+                f"servers lists an address twice: {list(every)}."
             )
-        if not self.servers and self.num_workers > 1:
+        if not every and self.num_workers > 1:
             raise errors.ConfigError(
                 f"num_workers={self.num_workers} needs summation servers: "
                 "pass servers=['host:port', ...] or set JAXPS_SERVERS (or "
@@ -128,7 +135,7 @@ class Config:
             if value is None and var is not None and var in env:
                 value = _parse(field.name, env[var])
             if value is not None:
-                if field.name == "servers":
+                if field.name in ("servers", "colocated_servers"):
                     value = _servers(value)
                 values[field.name] = value
         return cls(**values)
@@ -142,7 +149,14 @@ def _servers(value) -> tuple[str, ...]:
 
 def _parse(name: str, text: str) -> Any:
     var = ENV[name]
-    if name in ("servers", "job_id", "token", "tls_ca", "trace_dir"):
+    if name in (
+        "servers",
+        "colocated_servers",
+        "job_id",
+        "token",
+        "tls_ca",
+        "trace_dir",
+    ):
         return text
     try:
         if name == "timeout":

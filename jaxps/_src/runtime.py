@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
-from jaxps._src import errors
+from jaxps._src import errors, topology
 from jaxps._src import timeline as _timeline
 from jaxps._src.client import ServerClient, channel_credentials
 from jaxps._src.config import Config
@@ -287,7 +287,13 @@ class Runtime:
         self._seq = itertools.count()
         self._plans: dict = {}
         self._lanes: list[_Lane] = []
-        self.weights = [1.0] * len(config.servers)
+        addresses = config.servers + config.colocated_servers
+        if config.colocated_servers:
+            self.weights = topology.mixed_mode_weights(
+                len(config.colocated_servers), len(config.servers)
+            )
+        else:
+            self.weights = [1.0] * len(addresses)
         max_message = config.partition_bytes + _wire.MESSAGE_OVERHEAD
         credentials = None
         if config.tls_ca:
@@ -302,7 +308,7 @@ class Runtime:
                 token=config.token,
                 credentials=credentials,
             )
-            for s in config.servers
+            for s in addresses
         ]
         try:
             for c in clients:

@@ -56,3 +56,23 @@ def test_plan_is_deterministic_and_spreads_over_servers():
     assert a == b
     assert {p.server for p in a} == {0, 1}
     assert len({p.key for p in a}) == len(a)
+
+
+def test_mixed_mode_sends_the_formula_share_to_cpu_servers():
+    from jaxps._src import topology
+
+    n, k = 4, 2
+    weights = topology.mixed_mode_weights(n, k)
+    names = [f"t{i}" for i in range(200)]
+    pieces = make_plan(
+        names,
+        [1000] * 200,
+        ["<f4"] * 200,
+        [4] * 200,
+        [0] * 200,
+        partition_bytes=4000,
+        weights=weights,
+    )
+    cpu = sum(p.length for p in pieces if p.server < k)
+    total = sum(p.length for p in pieces)
+    assert abs(cpu / total - topology.cpu_server_share(n, k)) < 0.01

@@ -208,3 +208,21 @@ def test_fused_small_tensors_of_mixed_dtypes(start_servers):
                 ).astype(d)
                 assert out.dtype == np.dtype(d)
                 np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.timeout(120)
+def test_mixed_mode_cpu_and_colocated_servers(start_servers):
+    cpu = start_servers(1, 2)
+    colocated = start_servers(2, 2)
+    addresses = tuple(s.address for s in colocated)
+
+    def fn(rt):
+        assert len(rt.weights) == 3 and rt.weights[0] > rt.weights[1]
+        return rt.push_pull(
+            "m", np.full(40_000, rt.rank + 1.0, np.float32), average=False
+        )
+
+    for out in run_workers(
+        2, cpu, fn, colocated_servers=addresses, partition_bytes=4096
+    ):
+        np.testing.assert_array_equal(out, 3.0)
