@@ -24,6 +24,8 @@ __version__ = "0.1.0"
 # The JAX-facing names are imported on first use, so that `jaxps.servers` and
 # `jaxps-launch`, which share this package, start without importing JAX.
 _LAZY = {
+    "AsyncDistributedOptimizer": "jaxps._src.optimizer",
+    "AsyncState": "jaxps._src.optimizer",
     "DistributedOptimizer": "jaxps._src.optimizer",
     "DistributedState": "jaxps._src.optimizer",
     "broadcast": "jaxps._src.optimizer",
@@ -48,6 +50,8 @@ def __dir__():
 
 if typing.TYPE_CHECKING:  # the lazy names, for type checkers and readers
     from jaxps._src.optimizer import (  # noqa: F401
+        AsyncDistributedOptimizer,
+        AsyncState,
         DistributedOptimizer,
         DistributedState,
         broadcast,
@@ -55,6 +59,8 @@ if typing.TYPE_CHECKING:  # the lazy names, for type checkers and readers
     from jaxps.ops import push_pull  # noqa: F401
 
 __all__ = [
+    "AsyncDistributedOptimizer",
+    "AsyncState",
     "Config",
     "DistributedOptimizer",
     "DistributedState",

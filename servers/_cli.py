@@ -68,6 +68,13 @@ def _parser() -> argparse.ArgumentParser:
         help="largest accepted message (default %(default)s)",
     )
     p.add_argument(
+        "--async",
+        dest="async_mode",
+        action="store_true",
+        help="asynchronous training: hold the parameters, add each worker's "
+        "deltas at once and answer pulls with the current parameters",
+    )
+    p.add_argument(
         "--token",
         default=os.environ.get("JAXPS_TOKEN"),
         help="shared secret every worker must send (default $JAXPS_TOKEN)",
@@ -119,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         engine_threads=args.engine_threads,
         round_timeout=args.round_timeout,
         deterministic=args.deterministic,
+        async_mode=args.async_mode,
         max_message_bytes=args.max_message_bytes,
         token=args.token,
         tls_cert=args.tls_cert,

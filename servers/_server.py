@@ -30,6 +30,8 @@ class ServerOptions:
       engine_threads: threads that sum payloads.
       round_timeout: seconds before an incomplete round fails for everyone.
       deterministic: sum in rank order (bitwise reproducible).
+      async_mode: hold parameters and add workers' deltas at once, without
+        rounds (BytePS async mode).
       max_message_bytes: largest accepted request or reply.
       grace: seconds in-flight calls get to finish on shutdown.
       token: shared secret every call must carry (``None``: no check).
@@ -45,6 +47,7 @@ class ServerOptions:
     engine_threads: int = 2
     round_timeout: float = 60.0
     deterministic: bool = False
+    async_mode: bool = False
     max_message_bytes: int = 64 * 1024 * 1024 + 65536
     grace: float = 2.0
     token: str | None = None
@@ -116,6 +119,7 @@ def create_server(opts: ServerOptions) -> Server:
         round_timeout=opts.round_timeout,
         engine_threads=opts.engine_threads,
         deterministic=opts.deterministic,
+        async_mode=opts.async_mode,
     )
     options = channel_options(opts.max_message_bytes) + [
         ("grpc.so_reuseport", 0),

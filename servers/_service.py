@@ -10,7 +10,7 @@ import time
 
 import grpc
 
-from . import _codec, _store, _wire
+from . import _async_store, _codec, _store, _wire
 from . import jaxps_pb2 as pb
 
 log = logging.getLogger("jaxps.server")
@@ -46,6 +46,8 @@ class SummationServicer:
       round_timeout: seconds before an incomplete round fails for everyone.
       engine_threads: threads that sum payloads (each key is pinned to one).
       deterministic: sum in rank order for bitwise reproducible results.
+      async_mode: hold parameters and add deltas without rounds (BytePS
+        async); see `_async_store`.
     """
 
     def __init__(
@@ -56,10 +58,12 @@ class SummationServicer:
         round_timeout: float = 60.0,
         engine_threads: int = 2,
         deterministic: bool = False,
+        async_mode: bool = False,
     ):
         self.job_id = job_id
         self.incarnation = secrets.token_hex(8)
-        self.store = _store.Store(
+        store_type = _async_store.AsyncStore if async_mode else _store.Store
+        self.store = store_type(
             num_workers,
             round_timeout=round_timeout,
             engine_threads=engine_threads,
@@ -161,12 +165,14 @@ class SummationServicer:
                 checksum=checksum,
                 name=h.name,
             )
+            if ticket is not None:
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(
+                    self._engines[ticket.engine], ticket.run
+                )
+                self.store.finish_push(ticket)
         except _store.StoreError as err:
             await self._abort(context, err)
-        if ticket is not None:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._engines[ticket.engine], ticket.run)
-            self.store.finish_push(ticket)
         return pb.PushReply(incarnation=self.incarnation)
 
     async def Pull(self, request: bytes, context) -> bytes:

@@ -63,6 +63,9 @@ class Key:
     engine: int
     done: int = -1  # rounds <= done are finished and freed
     rounds: dict[int, Round] = dataclasses.field(default_factory=dict)
+    # async mode: the held value and each rank's last pushed round
+    value: np.ndarray | None = None
+    last_round: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 class PushTicket:
@@ -198,21 +201,9 @@ class Store:
         A push whose dtype or length contradicts the key's first push fails
         the round for every rank, so nobody waits for a sum that cannot be.
         """
-        self._check_rank(rank)
-        dtype = self._dtype(key, dtype_code)
-        label = f"{key} ({name})" if name else str(key)
-        if length < 1 or len(payload) != length * dtype.itemsize:
-            raise StoreError(
-                "INVALID_ARGUMENT",
-                f"payload of key {label} has {len(payload)} bytes but "
-                f"length={length} elements of {dtype} need "
-                f"{max(length, 1) * dtype.itemsize} bytes.",
-            )
-        try:
-            k = self._key(key, dtype_code, length, name)
-        except StoreError as err:
-            self._poison(key, round, err)
-            raise
+        k, dtype = self._validate_push(
+            key, round, rank, dtype_code, length, payload, name
+        )
         rnd = self._round(k, round, now)
         previous = rnd.pushed.get(rank)
         if previous is not None:
@@ -237,6 +228,26 @@ class Store:
             self.deterministic,
             self.encode,
         )
+
+    def _validate_push(
+        self, key, round, rank, dtype_code, length, payload, name
+    ) -> tuple[Key, np.dtype]:
+        """Checks rank, dtype and size; returns the key (created if new)."""
+        self._check_rank(rank)
+        dtype = self._dtype(key, dtype_code)
+        label = f"{key} ({name})" if name else str(key)
+        if length < 1 or len(payload) != length * dtype.itemsize:
+            raise StoreError(
+                "INVALID_ARGUMENT",
+                f"payload of key {label} has {len(payload)} bytes but "
+                f"length={length} elements of {dtype} need "
+                f"{max(length, 1) * dtype.itemsize} bytes.",
+            )
+        try:
+            return self._key(key, dtype_code, length, name), dtype
+        except StoreError as err:
+            self._poison(key, round, err)
+            raise
 
     def finish_push(self, ticket: PushTicket) -> None:
         """Wakes the pulls of a round that `ticket.run()` completed."""

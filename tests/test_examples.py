@@ -53,7 +53,7 @@ def _per_worker(pattern: str, stdout: str) -> dict[int, str]:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_mnist_two_workers_reach_accuracy():
-    proc = _launch("mnist.py", "--epochs", "5", "--min-accuracy", "0.95")
+    proc = _launch("mnist.py", "--epochs", "8", "--min-accuracy", "0.95")
     sums = _per_worker(r"params checksum after broadcast: (\w+)", proc.stdout)
     assert sorted(sums) == [0, 1], proc.stdout
     assert sums[0] == sums[1], proc.stdout

@@ -126,3 +126,53 @@ def broadcast(tree, root: int = 0, *, name: str = "broadcast"):
         tree,
     )
     return push_pull(arrays, average=False, name=name)
+
+
+class AsyncState(NamedTuple):
+    """State of `AsyncDistributedOptimizer`."""
+
+    inner_state: optax.OptState
+
+
+def AsyncDistributedOptimizer(  # noqa: N802 - mirrors DistributedOptimizer
+    inner: optax.GradientTransformation,
+    *,
+    name: str = "async_params",
+) -> optax.GradientTransformation:
+    """Asynchronous training against servers started with ``--async``.
+
+    The servers hold the parameters (BytePS async mode). `init` pushes the
+    initial parameters (the first worker's win). Each `update` runs `inner`
+    locally, pushes the resulting delta, which the servers add at once, and
+    pulls the latest parameters; there is no barrier between workers. The
+    returned updates move `params` to those latest parameters.
+
+    Args:
+      inner: the local optimizer.
+      name: push_pull name of the parameters.
+
+    Returns:
+      An `optax.GradientTransformation`.
+    """
+
+    def init_fn(params):
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
+            raise ValueError(
+                "AsyncDistributedOptimizer.init pushes the initial parameters "
+                "to the servers: call it outside of jit."
+            )
+        push_pull(params, average=False, name=name)  # round 0: initial value
+        return AsyncState(inner.init(params))
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError(
+                "AsyncDistributedOptimizer.update needs params: call "
+                "update(grads, state, params)."
+            )
+        delta, inner_state = inner.update(updates, state.inner_state, params)
+        latest = push_pull(delta, average=False, name=name)
+        moved = jax.tree.map(lambda new, old: new - old, latest, params)
+        return moved, AsyncState(inner_state)
+
+    return optax.GradientTransformation(init_fn, update_fn)

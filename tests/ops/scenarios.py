@@ -229,6 +229,26 @@ def check_flax():
     np.testing.assert_allclose(state.params["w"], reference["w"], rtol=1e-5)
 
 
+def check_async():
+    """Async mode (servers started with --async) still converges."""
+    x, y = _linear_data()
+    n, r = jaxps.size(), jaxps.rank()
+    params = {"w": jnp.zeros(5), "b": jnp.zeros(())}
+    tx = jaxps.AsyncDistributedOptimizer(optax.sgd(0.05), name="async")
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, x, y):
+        grads = jax.grad(_loss)(params, x, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    first = float(_loss(params, x, y))
+    for _ in range(150):
+        params, state = step(params, state, x[r::n], y[r::n])
+    assert float(_loss(params, x, y)) < 0.01 * first, float(_loss(params, x, y))
+
+
 def main(names):
     jaxps.init()
     try:

@@ -78,3 +78,9 @@ def test_one_worker_through_a_server(start_servers, tmp_path):
 def test_four_workers(start_servers, tmp_path):
     servers = start_servers(2, 4, "--round-timeout", "30")
     run_job(servers, 4, ["jit", "shard_map", "optimizer_equivalence"], tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_async_mode_converges(start_servers, tmp_path):
+    servers = start_servers(2, 2, "--async")
+    run_job(servers, 2, ["async"], tmp_path)
