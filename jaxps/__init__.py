@@ -24,6 +24,7 @@ __version__ = "0.1.0"
 # The JAX-facing names are imported on first use, so that `jaxps.servers` and
 # `jaxps-launch`, which share this package, start without importing JAX.
 _LAZY = {
+    "compression": "jaxps._src.compression",
     "AsyncDistributedOptimizer": "jaxps._src.optimizer",
     "AsyncState": "jaxps._src.optimizer",
     "DistributedOptimizer": "jaxps._src.optimizer",
@@ -39,7 +40,8 @@ def __getattr__(name):
         raise AttributeError(f"module 'jaxps' has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(module), name)
+    module = importlib.import_module(module)
+    value = module if module.__name__.endswith(name) else getattr(module, name)
     globals()[name] = value
     return value
 
@@ -65,6 +67,7 @@ __all__ = [
     "DistributedOptimizer",
     "DistributedState",
     "broadcast",
+    "compression",
     "cpu_server_share",
     "errors",
     "init",

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxps._src.compression import Compression
 from jaxps.ops import push_pull
 
 
@@ -18,6 +19,7 @@ class DistributedState(NamedTuple):
     inner_state: optax.OptState
     grad_acc: optax.Updates  # local sum of the mini-steps' gradients
     mini_step: jax.Array  # int32: mini-steps since the last communication
+    compression_state: Any = ()  # e.g. error-feedback residuals
 
 
 def DistributedOptimizer(  # noqa: N802 - the name users know from BytePS
@@ -27,6 +29,7 @@ def DistributedOptimizer(  # noqa: N802 - the name users know from BytePS
     backward_passes_per_step: int = 1,
     axis_name=None,
     name: str = "grads",
+    compression: Compression | None = None,
 ) -> optax.GradientTransformation:
     """Wraps an optax optimizer so that it sees the workers' mean gradient.
 
@@ -42,6 +45,7 @@ def DistributedOptimizer(  # noqa: N802 - the name users know from BytePS
       backward_passes_per_step: local accumulation steps per communication.
       axis_name: the shard_map / pmap axis of the local devices, if any.
       name: push_pull name of the gradients (unique per optimizer).
+      compression: a `jaxps.compression` scheme for the wire (it averages).
 
     Returns:
       An `optax.GradientTransformation`.
@@ -62,41 +66,48 @@ def DistributedOptimizer(  # noqa: N802 - the name users know from BytePS
             f"backward_passes_per_step must be an int >= 1. Got "
             f"backward_passes_per_step={k!r}."
         )
+    if compression is not None and (axis_name is not None or not average):
+        raise ValueError(
+            "compression averages over workers on one device per worker: it "
+            "cannot be combined with axis_name or average=False."
+        )
 
-    def sync(grads):
-        return push_pull(grads, average=average, name=name, axis_name=axis_name)
+    def sync(grads, comp_state):
+        if compression is not None:
+            return compression.reduce(grads, comp_state, name)
+        mean = push_pull(grads, average=average, name=name, axis_name=axis_name)
+        return mean, comp_state
 
     def init_fn(params):
         acc = jax.tree.map(jnp.zeros_like, params) if k > 1 else ()
-        return DistributedState(inner.init(params), acc, jnp.int32(0))
+        comp = compression.init(params) if compression is not None else ()
+        return DistributedState(inner.init(params), acc, jnp.int32(0), comp)
 
     def update_fn(updates, state, params=None):
         if k == 1:
-            out, inner_state = inner.update(
-                sync(updates), state.inner_state, params
+            mean, comp = sync(updates, state.compression_state)
+            out, inner_state = inner.update(mean, state.inner_state, params)
+            return out, state._replace(
+                inner_state=inner_state, compression_state=comp
             )
-            return out, state._replace(inner_state=inner_state)
         acc = jax.tree.map(jnp.add, state.grad_acc, updates)
         step = state.mini_step + 1
 
         def communicate(acc):
-            mean = jax.tree.map(lambda g: g / k, acc)
-            out, inner_state = inner.update(
-                sync(mean), state.inner_state, params
+            mean, comp = sync(
+                jax.tree.map(lambda g: g / k, acc), state.compression_state
             )
-            return out, inner_state, jax.tree.map(jnp.zeros_like, acc)
+            out, inner_state = inner.update(mean, state.inner_state, params)
+            return out, inner_state, jax.tree.map(jnp.zeros_like, acc), comp
 
         def accumulate(acc):
-            return (
-                jax.tree.map(jnp.zeros_like, updates),
-                state.inner_state,
-                acc,
-            )
+            zeros = jax.tree.map(jnp.zeros_like, updates)
+            return zeros, state.inner_state, acc, state.compression_state
 
-        out, inner_state, acc = lax.cond(
+        out, inner_state, acc, comp = lax.cond(
             step % k == 0, communicate, accumulate, acc
         )
-        return out, DistributedState(inner_state, acc, step % k)
+        return out, DistributedState(inner_state, acc, step % k, comp)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
