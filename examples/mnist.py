@@ -40,6 +40,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="batch size per worker")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compression", default="none",
+                   choices=["none", "fp16", "bf16", "topk", "randomk",
+                            "onebit"],
+                   help="wire compression of the gradients")
+    p.add_argument("--async", dest="async_mode", action="store_true",
+                   help="asynchronous training (launch with "
+                   "jaxps-launch --async)")
     p.add_argument("--min-accuracy", type=float, default=0.0,
                    help="exit 1 if the test accuracy is below this")
     return p.parse_args(argv)
@@ -100,6 +107,14 @@ def checksum(model) -> str:
     return h.hexdigest()[:12]
 
 
+def make_compression(name: str):
+    """The wire compression called `name` (sparse ones keep 1%)."""
+    c = jaxps.compression
+    return {"none": None, "fp16": c.fp16(), "bf16": c.bf16(),
+            "topk": c.topk(0.01), "randomk": c.randomk(0.01),
+            "onebit": c.onebit()}[name]
+
+
 def main(argv=None) -> float:
     args = parse_args(argv)
     jaxps.init()
@@ -111,7 +126,11 @@ def main(argv=None) -> float:
     nnx.update(model, jaxps.broadcast(nnx.state(model, nnx.Param)))
     print(f"params checksum after broadcast: {checksum(model)}", flush=True)
 
-    tx = jaxps.DistributedOptimizer(optax.adam(args.lr))
+    if args.async_mode:
+        tx = jaxps.AsyncDistributedOptimizer(optax.adam(args.lr))
+    else:
+        tx = jaxps.DistributedOptimizer(
+            optax.adam(args.lr), compression=make_compression(args.compression))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     # Every worker must run the same number of steps (each one push_pulls),

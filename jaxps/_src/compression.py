@@ -95,20 +95,30 @@ def _residual_init(params) -> ResidualState:
     return ResidualState(residual, jnp.int32(0))
 
 
-def _per_leaf(encode) -> Callable:
-    """Builds `reduce` from ``encode(flat, leaf_name, step) -> (mean, sent)``.
+def _per_leaf(pack, unpack, average: bool) -> Callable:
+    """Builds `reduce` from a per-leaf pack / unpack pair.
 
-    `flat` is the gradient plus its residual, as float32; `sent` is what the
-    worker's own message stands for, so the new residual is ``flat - sent``.
+    ``pack(flat, leaf_name, step) -> (wire, aux)`` turns a leaf (gradient plus
+    residual, float32, flat) into arrays to push; all leaves' arrays go out in
+    one push_pull. ``unpack(summed_wire, aux, flat) -> (mean, sent)`` decodes
+    the sums; `sent` is what this worker's message stood for, so the new
+    residual is ``flat - sent``.
     """
 
     def reduce(grads, state, name):
         leaves, treedef = jax.tree.flatten(grads)
         residuals = treedef.flatten_up_to(state.residual)
-        means, new_residuals = [], []
+        flats, wires, auxes = [], [], []
         for i, (g, r) in enumerate(zip(leaves, residuals)):
             flat = jnp.ravel(g).astype(jnp.float32) + r
-            mean, sent = encode(flat, f"{name}/{i}", state.step)
+            wire, aux = pack(flat, f"{name}/{i}", state.step)
+            flats.append(flat)
+            wires.append(wire)
+            auxes.append(aux)
+        summed = push_pull(wires, average=average, name=name)
+        means, new_residuals = [], []
+        for g, flat, wire, aux in zip(leaves, flats, summed, auxes):
+            mean, sent = unpack(wire, aux, flat)
             means.append(mean.reshape(jnp.shape(g)).astype(g.dtype))
             new_residuals.append(flat - sent)
         out = jax.tree.unflatten(treedef, means)
@@ -118,12 +128,14 @@ def _per_leaf(encode) -> Callable:
     return reduce
 
 
-def _gather(slot_value, name):
-    """Every worker's `slot_value`, stacked: a sum of one-hot slots."""
+def _slot(value):
+    """A zeroed buffer with one slot per worker, this worker's filled in.
+
+    Summed over workers it holds every worker's `value`: a gather.
+    """
     n, rank = _state.size(), _state.rank()
-    slots = jnp.zeros((n, *slot_value.shape), slot_value.dtype)
-    slots = slots.at[rank].set(slot_value)
-    return push_pull(slots, average=False, name=name)
+    slots = jnp.zeros((n, *value.shape), value.dtype)
+    return slots.at[rank].set(value)
 
 
 def topk(ratio: float = 0.01, error_feedback: bool = True) -> Compression:
@@ -134,20 +146,25 @@ def topk(ratio: float = 0.01, error_feedback: bool = True) -> Compression:
       error_feedback: carry what was not sent into the next step.
     """
 
-    def encode(flat, name, step):
-        del step
-        k = _keep(ratio, flat.size)
-        _, idx = lax.top_k(jnp.abs(flat), k)
+    def pack(flat, name, step):
+        del name, step
+        _, idx = lax.top_k(jnp.abs(flat), _keep(ratio, flat.size))
         vals = flat[idx]
-        all_vals = _gather(vals, name + "/values")
-        all_idx = _gather(idx.astype(jnp.int32), name + "/indices")
-        dense = jnp.zeros_like(flat).at[all_idx.ravel()].add(all_vals.ravel())
+        return {"values": _slot(vals), "indices": _slot(idx)}, (idx, vals)
+
+    def unpack(wire, aux, flat):
+        idx, vals = aux
+        dense = (
+            jnp.zeros_like(flat)
+            .at[wire["indices"].ravel()]
+            .add(wire["values"].ravel())
+        )
         sent = jnp.zeros_like(flat).at[idx].set(vals)
         return dense / _state.size(), sent if error_feedback else flat
 
     return Compression(
         init=_residual_init,
-        reduce=_per_leaf(encode),
+        reduce=_per_leaf(pack, unpack, average=False),
         wire_bytes=lambda n, itemsize, workers: workers * _keep(ratio, n) * 8,
     )
 
@@ -161,19 +178,21 @@ def randomk(
     workers pick the same ones and their values are summed densely.
     """
 
-    def encode(flat, name, step):
-        k = _keep(ratio, flat.size)
+    def pack(flat, name, step):
         key = jax.random.fold_in(jax.random.key(seed), step)
         key = jax.random.fold_in(key, tensor_id(name) & 0x7FFFFFFF)
+        k = _keep(ratio, flat.size)
         idx = jax.random.choice(key, flat.size, (k,), replace=False)
-        mean_vals = push_pull(flat[idx], name=name)
+        return flat[idx], idx
+
+    def unpack(mean_vals, idx, flat):
         dense = jnp.zeros_like(flat).at[idx].set(mean_vals)
         sent = jnp.zeros_like(flat).at[idx].set(flat[idx])
         return dense, sent if error_feedback else flat
 
     return Compression(
         init=_residual_init,
-        reduce=_per_leaf(encode),
+        reduce=_per_leaf(pack, unpack, average=True),
         wire_bytes=lambda n, itemsize, workers: _keep(ratio, n) * 4,
     )
 
@@ -198,19 +217,23 @@ def onebit(error_feedback: bool = True) -> Compression:
     mean absolute value; the result is the average of those over workers.
     """
 
-    def encode(flat, name, step):
-        del step
+    def pack(flat, name, step):
+        del name, step
         scale = jnp.mean(jnp.abs(flat))
         positive = flat >= 0
-        signs = _gather(_pack_signs(positive), name + "/signs")
-        scales = _gather(scale[None], name + "/scale")[:, 0]
-        unpacked = _unpack_signs(signs, flat.size).astype(jnp.float32)
-        dense = jnp.mean(scales[:, None] * (2 * unpacked - 1), axis=0)
+        wire = {"signs": _slot(_pack_signs(positive)), "scale": _slot(scale)}
+        return wire, (scale, positive)
+
+    def unpack(wire, aux, flat):
+        scale, positive = aux
+        signs = _unpack_signs(wire["signs"], flat.size).astype(jnp.float32)
+        scales = wire["scale"][:, None]
+        dense = jnp.mean(scales * (2 * signs - 1), axis=0)
         sent = scale * jnp.where(positive, 1.0, -1.0)
         return dense, sent if error_feedback else flat
 
     return Compression(
         init=_residual_init,
-        reduce=_per_leaf(encode),
+        reduce=_per_leaf(pack, unpack, average=False),
         wire_bytes=lambda n, itemsize, workers: workers * (4 * -(-n // 32) + 4),
     )

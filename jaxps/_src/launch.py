@@ -72,6 +72,7 @@ class LaunchConfig:
       engine_threads: summation threads per server.
       command: the worker command line.
       worker_env: extra environment variables of every worker.
+      server_flags: extra ``jaxps-server`` flags (``--async``, ...).
     """
 
     workers: int
@@ -81,6 +82,7 @@ class LaunchConfig:
     engine_threads: int
     command: tuple[str, ...]
     worker_env: dict[str, str]
+    server_flags: tuple[str, ...] = ()
 
 
 # ----------------------------------------------------------------------------
@@ -138,6 +140,18 @@ def _parser() -> argparse.ArgumentParser:
         default=ServerOptions.engine_threads,
         metavar="T",
         help="summation threads per server (default %(default)s)",
+    )
+    p.add_argument(
+        "--async",
+        dest="async_mode",
+        action="store_true",
+        help="start the servers in async mode (for "
+        "jaxps.AsyncDistributedOptimizer)",
+    )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="servers sum in rank order (bitwise reproducible)",
     )
     p.add_argument(
         "command",
@@ -227,6 +241,14 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         timeout=timeout,
         job_id=job_id,
         engine_threads=args.engine_threads,
+        server_flags=tuple(
+            flag
+            for flag, on in (
+                ("--async", args.async_mode),
+                ("--deterministic", args.deterministic),
+            )
+            if on
+        ),
         command=tuple(command),
         worker_env=env,
     )
@@ -470,6 +492,7 @@ class Launcher:
             c.job_id,
             "--engine-threads",
             str(c.engine_threads),
+            *c.server_flags,
         ]
 
     def _start_servers(self) -> list[str]:
