@@ -5,6 +5,7 @@ the servers are separate `jaxps-server` processes.
 """
 
 import concurrent.futures
+import time
 
 import ml_dtypes
 import numpy as np
@@ -226,3 +227,36 @@ def test_mixed_mode_cpu_and_colocated_servers(start_servers):
         2, cpu, fn, colocated_servers=addresses, partition_bytes=4096
     ):
         np.testing.assert_array_equal(out, 3.0)
+
+
+@pytest.mark.timeout(120)
+def test_priorities_let_the_first_layer_overtake_queued_layers(start_servers):
+    (server,) = start_servers(1, 1)
+    cfg = Config(
+        servers=(server.address,),
+        partition_bytes=64 * 1024,
+        credit_bytes=64 * 1024,
+    )
+    rt = Runtime(cfg, senders_per_server=1)
+    order = []
+    try:
+        grads = np.ones(64 * 1024, np.float32)  # 4 chunks per layer
+        handles = [
+            (layer, rt.push_pull_async(
+                [f"layer{layer}"], [grads], priorities=[-layer]))
+            for layer in reversed(range(12))  # backward order: last first
+        ]  # fmt: skip
+        pending = dict(handles)
+        while pending:
+            for layer, handle in list(pending.items()):
+                if handle.done():
+                    order.append(layer)
+                    del pending[layer]
+                    handle.wait()
+            time.sleep(0.001)
+    finally:
+        rt.close()
+    # layer 11 was queued first and went out at once; layer 0, queued last,
+    # jumps ahead of everything still waiting for credit
+    assert order.index(0) <= 2, order
+    assert order[-1] != 0, order
