@@ -79,6 +79,8 @@ class AsyncStore(Store):
         if round <= last:
             return None  # a retry of a round this rank already pushed
         k.last_round[rank] = round
+        if round > self.last_round_by_rank.get(rank, -1):
+            self.last_round_by_rank[rank] = round
         self.bytes_summed += len(payload)
         data = np.frombuffer(payload, dtype=dtype)
         return _AsyncTicket(k, data, init=(round == 0))

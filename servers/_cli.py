@@ -84,6 +84,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tls-client-ca", help="PEM CA: also require client certificates"
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port (needs prometheus-client)",
+    )
+    p.add_argument(
+        "--status-interval",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="print a one-line status every SECONDS",
+    )
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -132,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
+        metrics_port=args.metrics_port,
+        status_interval=args.status_interval,
     )
 
     def ready(server):

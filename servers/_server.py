@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from . import _auth, _service
+from . import _auth, _metrics, _service
 
 log = logging.getLogger("jaxps.server")
 
@@ -38,6 +38,9 @@ class ServerOptions:
       tls_cert: PEM certificate file; with `tls_key` the server speaks TLS.
       tls_key: PEM private key file.
       tls_client_ca: PEM CA file; if given, clients need a certificate.
+      metrics_port: serve Prometheus metrics on this port (None: off).
+      status_interval: print a one-line status every so many seconds
+        (None: off).
     """
 
     host: str = "127.0.0.1"
@@ -54,6 +57,8 @@ class ServerOptions:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_client_ca: str | None = None
+    metrics_port: int | None = None
+    status_interval: float | None = None
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -80,6 +85,8 @@ class Server:
         self.port = port
         self.options = opts
         self._expiry: asyncio.Task | None = None
+        self._status: asyncio.Task | None = None
+        self._metrics = None
 
     @property
     def address(self) -> str:
@@ -87,6 +94,16 @@ class Server:
 
     async def start(self) -> None:
         await self.grpc_server.start()
+        if self.options.metrics_port is not None:
+            self._metrics = _metrics.start_prometheus(
+                self.servicer.store,
+                self.options.host,
+                self.options.metrics_port,
+            )
+        if self.options.status_interval:
+            self._status = asyncio.get_running_loop().create_task(
+                self._print_status(self.options.status_interval)
+            )
         await self.health.set(
             SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING
         )
@@ -98,11 +115,20 @@ class Server:
     async def stop(self, grace: float | None = None) -> None:
         """Marks the server NOT_SERVING, then stops it after `grace` s."""
         await self.health.enter_graceful_shutdown()
-        if self._expiry is not None:
-            self._expiry.cancel()
+        for task in (self._expiry, self._status):
+            if task is not None:
+                task.cancel()
+        if self._metrics is not None:
+            self._metrics.shutdown()
         grace = self.options.grace if grace is None else grace
         await self.grpc_server.stop(grace)
         self.servicer.close()
+
+    async def _print_status(self, interval: float) -> None:
+        status = _metrics.StatusLine(self.address)
+        while True:
+            await asyncio.sleep(interval)
+            print(status.line(self.servicer.store), flush=True)
 
     async def wait(self) -> None:
         await self.grpc_server.wait_for_termination()

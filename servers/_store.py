@@ -180,6 +180,7 @@ class Store:
         self._engine_bytes = [0] * max(1, engine_threads)
         self.rounds_completed = 0
         self.bytes_summed = 0
+        self.last_round_by_rank: dict[int, int] = {}
 
     # -- pushes ------------------------------------------------------------
 
@@ -217,6 +218,8 @@ class Store:
                 )
             return None  # an identical retry: acknowledged, not summed again
         rnd.pushed[rank] = checksum
+        if round > self.last_round_by_rank.get(rank, -1):
+            self.last_round_by_rank[rank] = round
         data = np.frombuffer(payload, dtype=dtype)
         self.bytes_summed += len(payload)
         return PushTicket(
@@ -448,6 +451,13 @@ class Store:
     @property
     def num_keys(self) -> int:
         return len(self._keys)
+
+    def pending_pulls(self) -> int:
+        """Number of pulls waiting for their round to complete."""
+        return sum(
+            len(rnd.waiters) for k in self._keys.values()
+            for rnd in k.rounds.values()
+        )  # fmt: skip
 
     def pending_rounds(self) -> int:
         """Number of rounds that are live (incomplete or not fully pulled)."""
