@@ -1,19 +1,29 @@
 """The one configuration object of a jaxps worker.
 
 Every field is resolved in this order: the explicit argument, then the
-``JAXPS_*`` environment variable, then the default.
+``JAXPS_*`` environment variable, then the default. The rank and the number
+of workers also fall back to the cluster: SLURM's ``SLURM_PROCID`` and
+``SLURM_NTASKS``, then `jax.distributed` (``jax.process_index()`` and
+``jax.process_count()``) when it is initialized.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 from jaxps._src import errors
 
 DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024
+
+#: Field name -> cluster variable read when the JAXPS_* one is not set.
+CLUSTER_ENV = {
+    "worker_rank": "SLURM_PROCID",
+    "num_workers": "SLURM_NTASKS",
+}
 
 #: Field name -> environment variable.
 ENV = {
@@ -134,11 +144,30 @@ class Config:
             var = ENV.get(field.name)
             if value is None and var is not None and var in env:
                 value = _parse(field.name, env[var])
+            if value is None and field.name in CLUSTER_ENV:
+                value = _from_cluster(field.name, env)
             if value is not None:
                 if field.name in ("servers", "colocated_servers"):
                     value = _servers(value)
                 values[field.name] = value
         return cls(**values)
+
+
+def _from_cluster(name: str, env: Mapping[str, str]) -> int | None:
+    var = CLUSTER_ENV[name]
+    if var in env:
+        try:
+            return int(env[var])
+        except ValueError:
+            raise errors.ConfigError(
+                f"{var} must be an integer. Got {var}={env[var]!r}."
+            ) from None
+    jax = sys.modules.get("jax")  # only if the program already uses JAX
+    if jax is not None and jax.distributed.is_initialized():
+        if name == "worker_rank":
+            return jax.process_index()
+        return jax.process_count()
+    return None
 
 
 def _servers(value) -> tuple[str, ...]:

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
+from jaxps._src import hostfile
 from jaxps.servers import ServerOptions
 from jaxps.servers._cli import READY_PREFIX
 
@@ -73,6 +74,9 @@ class LaunchConfig:
       command: the worker command line.
       worker_env: extra environment variables of every worker.
       server_flags: extra ``jaxps-server`` flags (``--async``, ...).
+      hosts: the machines of a multi-host job (from ``--hostfile``), whose
+        servers and workers are started over ssh; None runs all locally.
+      dry_run: print the command lines instead of running them.
     """
 
     workers: int
@@ -83,6 +87,8 @@ class LaunchConfig:
     command: tuple[str, ...]
     worker_env: dict[str, str]
     server_flags: tuple[str, ...] = ()
+    hosts: hostfile.Hosts | None = None
+    dry_run: bool = False
 
 
 # ----------------------------------------------------------------------------
@@ -106,17 +112,19 @@ def _parser() -> argparse.ArgumentParser:
         "-w",
         "--workers",
         type=int,
-        required=True,
+        default=None,
         metavar="N",
-        help="number of worker processes (>= 1)",
+        help="number of worker processes (>= 1; with --hostfile: its "
+        "worker lines)",
     )
     p.add_argument(
         "-s",
         "--servers",
         type=int,
-        required=True,
+        default=None,
         metavar="K",
-        help="number of summation servers (>= 0; 0 only with one worker)",
+        help="number of summation servers (>= 0; 0 only with one worker; "
+        "with --hostfile: its server lines)",
     )
     p.add_argument(
         "--timeout",
@@ -140,6 +148,17 @@ def _parser() -> argparse.ArgumentParser:
         default=ServerOptions.engine_threads,
         metavar="T",
         help="summation threads per server (default %(default)s)",
+    )
+    p.add_argument(
+        "--hostfile",
+        metavar="FILE",
+        help="run on several machines over ssh: lines 'server HOST[:PORT]' "
+        "and 'worker HOST' (rank order)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the command line of every server and worker and exit",
     )
     p.add_argument(
         "--async",
@@ -226,6 +245,20 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     parser = _parser()
     head, tail = _split_command(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(head)
+    hosts = None
+    if args.hostfile:
+        if args.workers is not None or args.servers is not None:
+            parser.error("--hostfile sets the workers and servers; drop "
+                         "--workers/--servers")  # fmt: skip
+        try:
+            with open(args.hostfile) as f:
+                hosts = hostfile.parse_hostfile(f.read(), args.hostfile)
+        except (OSError, hostfile.HostfileError) as err:
+            parser.error(f"--hostfile: {err}")
+        args.workers, args.servers = len(hosts.workers), len(hosts.servers)
+    for name in ("workers", "servers"):
+        if getattr(args, name) is None:
+            parser.error(f"--{name} is required (or give --hostfile)")
     command = list(args.command)
     if tail is not None:
         command = command + ["--"] + tail if command else tail
@@ -251,6 +284,8 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         ),
         command=tuple(command),
         worker_env=env,
+        hosts=hosts,
+        dry_run=args.dry_run,
     )
 
 
@@ -474,6 +509,23 @@ class Launcher:
                 f"cannot start {label} ({argv[0]!r}): {err}", code
             ) from err
 
+    def commands(self) -> list[tuple[str, list[str]]]:
+        """(label, argv) of every server and worker this job starts."""
+        c = self.config
+        if c.hosts is not None:
+            return hostfile.ssh_commands(
+                c.hosts,
+                list(c.command),
+                job_id=c.job_id,
+                timeout=c.timeout,
+                server_flags=c.server_flags,
+                worker_env=c.worker_env,
+            )
+        servers = [(f"server {i}", self._server_argv()) for i in
+                   range(c.servers)]  # fmt: skip
+        workers = [(f"worker {r}", list(c.command)) for r in range(c.workers)]
+        return servers + workers
+
     def _server_argv(self) -> list[str]:
         c = self.config
         return [
@@ -499,19 +551,19 @@ class Launcher:
         """Starts every server, then waits for all of their addresses."""
         ready: list[queue.SimpleQueue] = []
         env = dict(os.environ)
-        for i in range(self.config.servers):
+        commands = self.commands()[: self.config.servers]
+        for label, argv in commands:
             q: queue.SimpleQueue = queue.SimpleQueue()
-            self.servers.append(
-                self._child(
-                    f"server {i}", self._server_argv(), env, _ready_line(q)
-                )
-            )
+            self.servers.append(self._child(label, argv, env, _ready_line(q)))
             ready.append(q)
         deadline = time.monotonic() + SERVER_START_TIMEOUT
-        return [
+        addresses = [
             self._await_ready(server, q, deadline)
             for server, q in zip(self.servers, ready, strict=True)
         ]
+        if self.config.hosts is not None:  # as named in the hostfile
+            return list(self.config.hosts.servers)
+        return addresses
 
     def _await_ready(
         self, server: _Child, ready: queue.SimpleQueue, deadline: float
@@ -546,6 +598,11 @@ class Launcher:
             )
 
     def _start_workers(self, addresses: list[str]) -> None:
+        if self.config.hosts is not None:
+            env = dict(os.environ)
+            for label, argv in self.commands()[self.config.servers :]:
+                self.workers.append(self._child(label, argv, env))
+            return
         env = dict(os.environ)
         env.update(self.config.worker_env)
         env["JAXPS_SERVERS"] = ",".join(addresses)
@@ -659,6 +716,9 @@ def main(argv: list[str] | None = None) -> int:
     """
     config = parse_args(argv)
     launcher = Launcher(config)
+    if config.dry_run:
+        hostfile.print_commands(launcher.commands())
+        return 0
     old = _install_handlers(launcher.on_signal)
     try:
         return launcher.run()

@@ -65,6 +65,16 @@ def test_reads_os_environ(monkeypatch):
     assert "s3cr3t" not in repr(cfg)  # the token stays secret
 
 
+def test_rank_and_size_fall_back_to_slurm():
+    env = {"SLURM_PROCID": "2", "SLURM_NTASKS": "3", "JAXPS_SERVERS": "h:1"}
+    cfg = Config.from_env(env)
+    assert (cfg.worker_rank, cfg.num_workers) == (2, 3)
+    env["JAXPS_WORKER_RANK"] = "0"  # JAXPS_* wins over the cluster's
+    assert Config.from_env(env).worker_rank == 0
+    with pytest.raises(errors.ConfigError, match="SLURM_NTASKS must be an"):
+        Config.from_env({"SLURM_NTASKS": "many"})
+
+
 def test_unknown_setting():
     with pytest.raises(errors.ConfigError, match="unknown jaxps setting"):
         Config.from_env({}, num_servers=3)
