@@ -123,8 +123,10 @@ def main(argv=None) -> float:
 
     # Different seeds on purpose: broadcast makes rank 0's init win.
     model = CNN(nnx.Rngs(args.seed + rank))
-    nnx.update(model, jaxps.broadcast(nnx.state(model, nnx.Param)))
-    print(f"params checksum after broadcast: {checksum(model)}", flush=True)
+    if not args.async_mode:  # async servers hand out rank 0's init instead
+        nnx.update(model, jaxps.broadcast(nnx.state(model, nnx.Param)))
+        print(f"params checksum after broadcast: {checksum(model)}",
+              flush=True)
 
     if args.async_mode:
         tx = jaxps.AsyncDistributedOptimizer(optax.adam(args.lr))

@@ -62,6 +62,7 @@ class SummationServicer:
     ):
         self.job_id = job_id
         self.incarnation = secrets.token_hex(8)
+        self.async_mode = async_mode
         store_type = _async_store.AsyncStore if async_mode else _store.Store
         self.store = store_type(
             num_workers,
@@ -144,6 +145,7 @@ class SummationServicer:
             incarnation=self.incarnation,
             num_workers=self.store.num_workers,
             job_id=self.job_id,
+            async_mode=self.async_mode,
         )
 
     async def Push(self, request: bytes, context):

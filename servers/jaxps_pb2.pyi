@@ -56,16 +56,18 @@ class HelloRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., num_workers: _Optional[int] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("version", "incarnation", "num_workers", "job_id")
+    __slots__ = ("version", "incarnation", "num_workers", "job_id", "async_mode")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    ASYNC_MODE_FIELD_NUMBER: _ClassVar[int]
     version: int
     incarnation: str
     num_workers: int
     job_id: str
-    def __init__(self, version: _Optional[int] = ..., incarnation: _Optional[str] = ..., num_workers: _Optional[int] = ..., job_id: _Optional[str] = ...) -> None: ...
+    async_mode: bool
+    def __init__(self, version: _Optional[int] = ..., incarnation: _Optional[str] = ..., num_workers: _Optional[int] = ..., job_id: _Optional[str] = ..., async_mode: _Optional[bool] = ...) -> None: ...
 
 class PushRequest(_message.Message):
     __slots__ = ("header", "payload", "checksum")

@@ -13,7 +13,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _launch(script: str, *args: str) -> subprocess.CompletedProcess:
+def _launch(
+    script: str, *args: str, launch_flags: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     """Runs ``examples/<script> ARGS`` on 2 workers and 2 servers."""
     # The examples run as a user would: no JAXPS_* settings of the test
     # process and no fake devices from conftest's XLA_FLAGS.
@@ -30,6 +32,7 @@ def _launch(script: str, *args: str) -> subprocess.CompletedProcess:
         "2",
         "--servers",
         "2",
+        *launch_flags,
         "--",
         sys.executable,
         f"examples/{script}",
@@ -62,6 +65,18 @@ def test_mnist_two_workers_reach_accuracy():
     # Synchronized training: both workers end with the same model.
     assert accuracy[0] == accuracy[1], proc.stdout
     assert float(accuracy[0]) >= 0.95, proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_mnist_async_mode_converges():
+    proc = _launch(
+        "mnist.py", "--epochs", "8", "--async", launch_flags=("--async",)
+    )
+    accuracy = _per_worker(r"test accuracy: ([\d.]+)", proc.stdout)
+    assert sorted(accuracy) == [0, 1], proc.stdout
+    # no barrier: the workers end with slightly different models
+    assert min(float(a) for a in accuracy.values()) >= 0.9, proc.stdout
 
 
 @pytest.mark.slow

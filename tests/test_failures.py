@@ -103,7 +103,7 @@ def test_killed_worker_is_named_by_survivors(start_servers, tmp_path):
             p.stdout.close()
 
 
-def run_pair(servers, fn):
+def run_pair(servers, fn, timeout=TIMEOUT):
     """Runs fn(runtime) for ranks 0 and 1 in threads; returns results."""
     results = [None, None]
 
@@ -112,7 +112,7 @@ def run_pair(servers, fn):
             servers=tuple(s.address for s in servers),
             num_workers=2,
             worker_rank=rank,
-            timeout=TIMEOUT,
+            timeout=timeout,
             partition_bytes=1 << 20,  # 4 chunks: both servers get some
         )
         rt = Runtime(cfg)
@@ -187,7 +187,9 @@ def test_restarted_server_fails_clearly(start_servers):
         )
 
     threading.Thread(target=restart, daemon=True).start()
-    results = run_pair(servers[:], loop_until_error(running))
+    # A long timeout: the pushes' retries must outlast the new server's
+    # start-up (seconds on a loaded machine) to reach it.
+    results = run_pair(servers[:], loop_until_error(running), timeout=20.0)
     for err in results:
         assert isinstance(
             err, (errors.ServerRestartedError, errors.ServerUnavailableError)

@@ -96,6 +96,7 @@ class ServerClient:
             request_serializer=pb.PullRequest.SerializeToString,
         )
         self.incarnation: str | None = None
+        self.async_mode = False
 
     def close(self) -> None:
         self._channel.close()
@@ -127,6 +128,7 @@ class ServerClient:
                 ) from None
             raise self.translate(err, "hello") from None
         self.incarnation = reply.incarnation
+        self.async_mode = reply.async_mode
         return reply.incarnation
 
     def push(

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxps._src import errors
 from jaxps._src.compression import Compression
 from jaxps.ops import push_pull
 
@@ -126,6 +127,12 @@ def broadcast(tree, root: int = 0, *, name: str = "broadcast"):
     """
     from jaxps._src import state
 
+    if getattr(state.runtime(), "async_servers", False):
+        raise errors.JaxpsError(
+            "broadcast needs synchronous servers; these run with --async, "
+            "where AsyncDistributedOptimizer.init already makes the first "
+            "worker's parameters the servers' and every update returns them."
+        )
     size = state.size()
     if not 0 <= root < size:
         raise ValueError(

@@ -321,6 +321,18 @@ class Runtime:
             for c in clients:
                 c.close()
             raise
+        modes = {c.async_mode for c in clients}
+        if len(modes) > 1:
+            for c in clients:
+                c.close()
+            raise errors.ConfigError(
+                "some servers run with --async and some without: "
+                + ", ".join(
+                    f"{c.address} async={c.async_mode}" for c in clients
+                )
+            )
+        #: whether the servers hold parameters (async mode)
+        self.async_servers = modes == {True}
         credit = max(config.credit_bytes, config.partition_bytes)
         self.timeline = None
         if config.trace_dir:

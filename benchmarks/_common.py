@@ -1,0 +1,170 @@
+"""Helpers shared by the benchmark scripts: child processes and reporting.
+
+Every child is started in its own session (process group) with its output in
+a log file, so that a hung child can never block the parent on a full pipe and
+can always be stopped, with all its threads and children, by its group id.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+
+MB = 1024 * 1024
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """Returns a TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+class Child:
+    """A child process whose stdout and stderr go to files in `log_dir`."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_dir: str,
+                 env: dict[str, str] | None = None):
+        self.name = name
+        self.argv = list(argv)
+        self.out_path = os.path.join(log_dir, f"{name}.out")
+        self.err_path = os.path.join(log_dir, f"{name}.err")
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        with open(self.out_path, "wb") as out, open(self.err_path,
+                                                     "wb") as err:
+            # cwd: so that ``-m`` does not import packages from the caller's
+            # directory instead of the installed ones.
+            self.proc = subprocess.Popen(
+                self.argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                env=full_env, cwd=log_dir, start_new_session=True)
+
+    def stdout(self) -> str:
+        with open(self.out_path, errors="replace") as f:
+            return f.read()
+
+    def stderr_tail(self, lines: int = 15) -> str:
+        with open(self.err_path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+
+    def wait_for_line(self, prefix: str, timeout: float) -> str:
+        """Waits until the child prints a line starting with `prefix`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.stdout().splitlines():
+                if line.startswith(prefix):
+                    return line[len(prefix):].strip()
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode} before "
+                    f"printing {prefix!r}:\n{self.stderr_tail()}")
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name} did not print {prefix!r} within "
+                           f"{timeout:g} s:\n{self.stderr_tail()}")
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM to the child's process group, SIGKILL after `grace` s."""
+        if self.proc.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                self.proc.wait(grace)
+        # The leader may be gone while members of its group are not.
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+
+@contextlib.contextmanager
+def children() -> Iterator[list[Child]]:
+    """Yields a list to put `Child` objects in; stops them all on exit."""
+    started: list[Child] = []
+    try:
+        yield started
+    finally:
+        for child in reversed(started):
+            child.stop()
+
+
+def wait_all(procs: Sequence[Child], timeout: float) -> None:
+    """Waits for every child to exit 0 within `timeout` s, else raises."""
+    deadline = time.monotonic() + timeout
+    for child in procs:
+        try:
+            code = child.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(
+                f"{child.name} did not finish within {timeout:g} s:\n"
+                f"{child.stderr_tail()}") from None
+        if code != 0:
+            raise RuntimeError(f"{child.name} exited with {code}:\n"
+                               f"{child.stderr_tail()}")
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def load_average() -> str:
+    """The 1-minute load average, to tell a disturbed run from a quiet one."""
+    return f"{os.getloadavg()[0]:.2f}"
+
+
+def log(message: str) -> None:
+    """Prints a progress line to stderr (stdout carries the results)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Formats rows as a Markdown table; the first column is left-aligned."""
+    widths = [max(len(str(r[i])) for r in [header, *rows])
+              for i in range(len(header))]
+
+    def line(cells):
+        return "| " + " | ".join(
+            str(c).ljust(w) if i == 0 else str(c).rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+
+    rule = "|" + "|".join(("-" * (w + 2)) if i == 0 else ("-" * (w + 1) + ":")
+                          for i, w in enumerate(widths)) + "|"
+    return "\n".join([line(header), rule] + [line(r) for r in rows])
+
+
+def top_frames(raw_path: str, count: int = 12,
+               exclude: Sequence[str] = ()) -> list[tuple[str, float]]:
+    """Reads a py-spy ``--format raw`` file; returns the hottest leaf frames.
+
+    Each line of the file is ``frame;frame;...;leaf COUNT``. A frame is
+    ``function (file:line)``; the line number is dropped so that samples of
+    one function add up. Samples whose stack contains any of the `exclude`
+    substrings (say the benchmark's own setup) are left out. Returns
+    ``(function (file), share of the samples kept)``.
+    """
+    leaves: collections.Counter[str] = collections.Counter()
+    total = 0
+    with open(raw_path) as f:
+        for line in f:
+            stack, _, samples = line.rstrip("\n").rpartition(" ")
+            if not stack or not samples.isdigit():
+                continue
+            if any(word in stack for word in exclude):
+                continue
+            leaf = stack.split(";")[-1]
+            name, _, where = leaf.partition(" (")
+            where = where.rstrip(")").rsplit(":", 1)[0]
+            leaves[f"{name} ({os.path.basename(where)})"] += int(samples)
+            total += int(samples)
+    return [(frame, n / total) for frame, n in leaves.most_common(count)]

@@ -1,0 +1,778 @@
+"""jaxps on an emulated cluster: rate-limited links between namespaces.
+
+Run as root from the repository root:
+
+    /work/venv/bin/python benchmarks/cluster.py [--quick] [--rate-mbit 100]
+        [--mb 25] [--repeats 3] [--configs "4,0;4,2;4,4"]
+    /work/venv/bin/python benchmarks/cluster.py --cleanup
+
+n worker hosts and k server hosts are network namespaces joined by veth
+links to a bridge in a hub namespace; both ends of every link are shaped to
+``--rate-mbit`` with tbf (see ``_netns.py``). For each (n, k) of
+``--configs`` it measures one ``push_pull`` of M bytes of float32
+(``--mb``, 10^6 bytes) and compares it with:
+
+* t_opt = 2n(n-1)M / ((n^2+kn-2k) B), the BytePS optimum, B the link rate
+  in bytes/s (`jaxps.optimal_time`);
+* plan: the same bound for jaxps' actual chunk-to-server assignment (the
+  busiest link's bytes / B), which shows what the chunk size costs;
+* ring: a ring all-reduce of the same array with gloo (``jax.distributed``
+  with n processes of one CPU device, a jitted psum), in the worker
+  namespaces; run once per n;
+* plain PS: jaxps with the k CPU servers only, no colocated servers.
+
+jaxps mixed mode runs k CPU servers (``python -m jaxps.servers``) in the
+server namespaces and one colocated server in each worker namespace. Every
+timed repetition starts with a barrier (a 4-byte push_pull), its time is the
+slowest worker's, and the table shows the median over ``--repeats`` after
+one warm-up. ``--cleanup`` deletes leftover ``jxb-`` namespaces of a killed
+run (a normal run always deletes its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+import _netns
+from _netns import Proc
+
+RESULT = "RESULT "
+READY = "READY"
+SERVER_READY = "jaxps-server listening on "
+DEFAULTS = {"mb": 25.0, "repeats": 3, "configs": "4,0;4,2;4,4"}
+QUICK = {"mb": 4.0, "repeats": 1, "configs": "4,2"}
+BASE_PORT = 9000
+SERVER_START_TIMEOUT = 90.0
+JAXPS_TIMEOUT = 120  # JAXPS_TIMEOUT of the workers, --round-timeout
+GOODPUT_BYTES = 8_000_000
+GOODPUT_SKIP = 1_000_000  # excluded from the goodput: the tbf burst
+
+
+def log(message: str) -> None:
+    """Progress goes to stderr; stdout carries the results."""
+    print(message, file=sys.stderr, flush=True)
+
+
+# -- child processes (run inside the namespaces) -----------------------------
+
+
+def report(result: dict) -> None:
+    print(RESULT + json.dumps(result), flush=True)
+
+
+def child_jaxps(args) -> int:
+    """A jaxps worker: a barrier, then one timed push_pull, repeated."""
+    import numpy as np
+
+    import jaxps
+
+    settings = {}
+    if args.credit_bytes:
+        settings["credit_bytes"] = args.credit_bytes
+    jaxps.init(**settings)  # the others from the JAXPS_* variables
+    n, rank = jaxps.size(), jaxps.rank()
+    x = np.ones(args.elements, np.float32) * (rank + 1)
+    expected = n * (n + 1) // 2
+    tick = np.ones(1, np.float32)
+    starts, ends = [], []
+    try:
+        for rep in range(args.repeats + 1):
+            got = jaxps.push_pull_numpy("barrier", tick, average=False)
+            assert got[0] == n, f"barrier sum {got[0]} != {n}"
+            starts.append(time.monotonic())
+            y = jaxps.push_pull_numpy("x", x, average=False)
+            ends.append(time.monotonic())
+            if not np.all(y == expected):
+                bad = int(np.count_nonzero(y != expected))
+                raise AssertionError(
+                    f"rank {rank} repetition {rep}: {bad} of {y.size} "
+                    f"elements differ from {expected}"
+                )
+    finally:
+        jaxps.shutdown()
+    report({"rank": rank, "starts": starts, "ends": ends})
+    return 0
+
+
+def _bind_gloo(ip: str) -> None:
+    """Makes gloo listen on (and advertise) `ip`.
+
+    By default gloo resolves the machine's hostname, which is shared by all
+    namespaces and maps to 127.0.0.1 here: each process would tell its peers
+    to connect to their own loopback.
+    """
+    from jax._src import xla_bridge
+
+    make = xla_bridge._jax.make_gloo_tcp_collectives
+
+    def make_on_ip(distributed_client, hostname=None, interface=None):
+        return make(distributed_client=distributed_client, hostname=ip)
+
+    xla_bridge._jax.make_gloo_tcp_collectives = make_on_ip
+
+
+def child_gloo(args) -> int:
+    """A ring all-reduce worker: jitted psum over one CPU device/process."""
+    import jax
+    import numpy as np
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 1)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    _bind_gloo(args.my_ip)
+    jax.distributed.initialize(
+        coordinator_address=args.coordinator,
+        coordinator_bind_address=args.coordinator,
+        num_processes=args.num_workers,
+        process_id=args.rank,
+        initialization_timeout=JAXPS_TIMEOUT,
+        shutdown_timeout_seconds=60,
+    )
+    from jax.experimental import multihost_utils
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    n = args.num_workers
+    devices = jax.devices()
+    assert len(devices) == n, f"{len(devices)} global devices, want {n}"
+    mesh = Mesh(np.array(devices), ("x",))
+    psum = jax.jit(
+        jax.shard_map(
+            lambda v: jax.lax.psum(v, "x"),
+            mesh=mesh,
+            in_specs=P("x"),
+            out_specs=P(),
+        )
+    )
+    (device,) = jax.local_devices()
+    local = np.ones(args.elements, np.float32) * (args.rank + 1)
+    x = jax.make_array_from_single_device_arrays(
+        (n * args.elements,),
+        NamedSharding(mesh, P("x")),
+        [jax.device_put(local, device)],
+    )
+    expected = n * (n + 1) // 2
+    starts, ends = [], []
+    for rep in range(args.repeats + 1):
+        multihost_utils.sync_global_devices(f"rep{rep}")
+        starts.append(time.monotonic())
+        y = psum(x).block_until_ready()
+        ends.append(time.monotonic())
+        got = np.asarray(y.addressable_shards[0].data)
+        if not np.all(got == expected):
+            raise AssertionError(f"psum on rank {args.rank} is wrong")
+    multihost_utils.sync_global_devices("done")
+    jax.distributed.shutdown()
+    report({"rank": args.rank, "starts": starts, "ends": ends})
+    return 0
+
+
+def child_sink(args) -> int:
+    """Receives --bytes on one TCP connection; reports the goodput."""
+    with socket.create_server((args.my_ip, args.port)) as server:
+        server.settimeout(30)
+        print(READY, flush=True)
+        conn, _ = server.accept()
+    with conn:
+        conn.settimeout(30)
+        got, mark = 0, None
+        buf = bytearray(1 << 20)
+        while got < args.bytes:
+            count = conn.recv_into(buf)
+            if count == 0:
+                break
+            got += count
+            if mark is None and got >= GOODPUT_SKIP:
+                mark, marked = time.monotonic(), got
+        end = time.monotonic()
+    if got < args.bytes or mark is None or end <= mark:
+        raise RuntimeError(f"received {got} of {args.bytes} bytes")
+    report({"mbit": (got - marked) * 8 / (end - mark) / 1e6})
+    return 0
+
+
+def child_source(args) -> int:
+    """Sends --bytes to --connect host:port."""
+    host, port = args.connect.rsplit(":", 1)
+    conn = socket.create_connection((host, int(port)), timeout=30)
+    with conn:
+        block = b"\0" * (1 << 20)
+        sent = 0
+        while sent < args.bytes:
+            part = block[: min(len(block), args.bytes - sent)]
+            conn.sendall(part)
+            sent += len(part)
+        conn.shutdown(socket.SHUT_WR)
+        conn.recv(1)  # the sink closes when it has everything
+    return 0
+
+
+CHILDREN = {
+    "jaxps": child_jaxps,
+    "gloo": child_gloo,
+    "sink": child_sink,
+    "source": child_source,
+}
+
+
+# -- the parent: builds the cluster, starts the children, reports ----------
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The parent's environment without JAXPS_* and XLA_FLAGS, plus extra."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("JAXPS_") and k != "XLA_FLAGS"
+    }
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def child_argv(role: str, *extra: str) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "--child", role, *extra]
+
+
+def results(procs: list[Proc]) -> list[dict]:
+    out = []
+    for proc in procs:
+        line = None
+        for text in proc.stdout().splitlines():
+            if text.startswith(RESULT):
+                line = text[len(RESULT) :]
+        if line is None:
+            raise RuntimeError(f"{proc.name} printed no result")
+        out.append(json.loads(line))
+    return out
+
+
+def slowest(per_worker: list[dict]) -> tuple[list[float], list[float]]:
+    """Per repetition (warm-up dropped): the slowest worker's time, and the
+    span from the first start to the last end."""
+    reps = len(per_worker[0]["starts"])
+    worst, span = [], []
+    for r in range(1, reps):
+        worst.append(max(w["ends"][r] - w["starts"][r] for w in per_worker))
+        span.append(
+            max(w["ends"][r] for w in per_worker)
+            - min(w["starts"][r] for w in per_worker)
+        )
+    return worst, span
+
+
+class Bench:
+    """The runs of one benchmark invocation on one cluster."""
+
+    def __init__(self, cluster: _netns.Cluster, args, log_dir: str):
+        self.cluster = cluster
+        self.args = args
+        self.log_dir = log_dir
+        self.model_bytes = args.elements * 4
+        self.port = BASE_PORT
+        self.run_timeout = 120.0 + (args.repeats + 1) * 20.0 * (
+            self.model_bytes / cluster.rate_bytes
+        )
+
+    def next_port(self) -> int:
+        # A fresh port for every run: a dying server of the previous run can
+        # never share (SO_REUSEPORT) the port of the next one.
+        self.port += 1
+        return self.port
+
+    def goodput(self) -> float:
+        """Mbit/s of one TCP stream w0 -> w1 (or w0 -> s0)."""
+        hosts = self.cluster.hosts
+        src, dst = hosts[0], hosts[1]
+        port = self.next_port()
+        size = str(GOODPUT_BYTES)
+        sink = Proc("goodput-sink", dst.ns, child_argv(
+            "sink", "--my-ip", dst.ip, "--port", str(port), "--bytes", size,
+        ), self.log_dir, child_env())  # fmt: skip
+        try:
+            sink.wait_for_line(READY, time.monotonic() + 30)
+            source = Proc("goodput-source", src.ns, child_argv(
+                "source", "--connect", f"{dst.ip}:{port}", "--bytes", size,
+            ), self.log_dir, child_env())  # fmt: skip
+            try:
+                _netns.wait_all([sink, source], time.monotonic() + 60)
+            finally:
+                source.stop()
+        finally:
+            sink.stop()
+        return results([sink])[0]["mbit"]
+
+    def jaxps(self, n: int, k: int, colocated: bool) -> dict:
+        """One jaxps run: k CPU servers (+ n colocated), n workers."""
+        label = f"{'mixed' if colocated else 'plain'}-{n}-{k}"
+        port = str(self.next_port())
+        placed = [(h, f"{label}-server-{h.role}") for h in
+                  self.cluster.servers[:k]]  # fmt: skip
+        if colocated:
+            placed += [(h, f"{label}-coloc-{h.role}") for h in
+                       self.cluster.workers[:n]]  # fmt: skip
+        servers, workers = [], []
+        try:
+            for host, name in placed:
+                argv = [sys.executable, "-m", "jaxps.servers", "--host",
+                        host.ip, "--port", port, "--num-workers", str(n),
+                        "--round-timeout", str(JAXPS_TIMEOUT)]  # fmt: skip
+                servers.append(
+                    Proc(name, host.ns, argv, self.log_dir, child_env())
+                )
+            deadline = time.monotonic() + SERVER_START_TIMEOUT
+            for proc in servers:
+                proc.wait_for_line(SERVER_READY, deadline)
+            cpu = [f"{h.ip}:{port}" for h in self.cluster.servers[:k]]
+            coloc = [
+                f"{h.ip}:{port}" for h in self.cluster.workers[:n] if colocated
+            ]
+            for rank, host in enumerate(self.cluster.workers[:n]):
+                env = child_env({
+                    "JAXPS_SERVERS": ",".join(cpu),
+                    "JAXPS_COLOCATED_SERVERS": ",".join(coloc),
+                    "JAXPS_NUM_WORKERS": str(n),
+                    "JAXPS_WORKER_RANK": str(rank),
+                    "JAXPS_TIMEOUT": str(JAXPS_TIMEOUT),
+                    "JAXPS_JOB_ID": label,
+                    "JAXPS_PARTITION_BYTES": str(self.args.partition_bytes),
+                })  # fmt: skip
+                argv = child_argv(
+                    "jaxps",
+                    "--elements",
+                    str(self.args.elements),
+                    "--repeats",
+                    str(self.args.repeats),
+                    "--credit-bytes",
+                    str(self.args.credit_bytes),
+                )
+                workers.append(Proc(f"{label}-worker-{host.role}", host.ns,
+                                    argv, self.log_dir, env))  # fmt: skip
+            _netns.wait_all(workers, time.monotonic() + self.run_timeout)
+        finally:
+            for proc in workers + servers:
+                proc.stop()
+        per_worker = results(workers)
+        worst, span = slowest(per_worker)
+        return {"times": worst, "spans": span, "workers": per_worker}
+
+    def ring(self, n: int) -> dict:
+        """One gloo ring all-reduce run over the first n worker hosts."""
+        port = self.next_port()
+        coordinator = f"{self.cluster.workers[0].ip}:{port}"
+        workers = []
+        try:
+            for rank, host in enumerate(self.cluster.workers[:n]):
+                argv = child_argv(
+                    "gloo", "--rank", str(rank), "--num-workers", str(n),
+                    "--coordinator", coordinator, "--my-ip", host.ip,
+                    "--elements", str(self.args.elements),
+                    "--repeats", str(self.args.repeats),
+                )  # fmt: skip
+                workers.append(Proc(f"ring-{n}-{host.role}", host.ns, argv,
+                                    self.log_dir, child_env()))  # fmt: skip
+            _netns.wait_all(workers, time.monotonic() + self.run_timeout)
+        finally:
+            for proc in workers:
+                proc.stop()
+        per_worker = results(workers)
+        worst, span = slowest(per_worker)
+        return {"times": worst, "spans": span, "workers": per_worker}
+
+
+def plan_link_bytes(n: int, k: int, model_bytes: int, partition: int,
+                    colocated: bool) -> int:  # fmt: skip
+    """Bytes on the busiest link (each way) for jaxps' chunk assignment."""
+    from jaxps._src import plan, topology
+
+    if colocated:
+        weights = topology.mixed_mode_weights(n, k)
+    else:
+        weights = [1.0] * k
+    pieces = plan.make_plan(
+        ["x"], [model_bytes // 4], ["<f4"], [4], [0],
+        partition_bytes=partition, weights=weights,
+    )  # fmt: skip
+    share = [0] * len(weights)
+    for piece in pieces:
+        share[piece.server] += piece.length * 4
+    links = [n * share[s] for s in range(k)]  # CPU server s: n pushes in
+    for w in range(n):  # worker w: its pushes out, its server's pulls out
+        local = share[k + w] if colocated else 0
+        links.append(model_bytes - local + (n - 1) * local)
+    return max(links)
+
+
+def parse_configs(text: str) -> list[tuple[int, int]]:
+    configs = []
+    for part in text.split(";"):
+        if not part.strip():
+            continue
+        try:
+            n, k = (int(v) for v in part.split(","))
+        except ValueError:
+            raise SystemExit(
+                f"--configs: expected 'n,k;n,k;...', got {part!r}"
+            ) from None
+        if n < 2 or k < 0:
+            raise SystemExit(f"--configs: need n >= 2, k >= 0, got {part!r}")
+        configs.append((n, k))
+    if not configs:
+        raise SystemExit("--configs is empty")
+    return configs
+
+
+def fmt(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.2f}"
+
+
+class CpuMeter:
+    """CPU seconds used by this process and its children vs the machine.
+
+    The difference is what other processes took while the benchmark ran:
+    on a shared machine it tells a disturbed run from a quiet one.
+    """
+
+    def __init__(self):
+        self.load = os.getloadavg()[0]
+        self.wall = time.monotonic()
+        self.busy = self._machine_busy()
+        self.own = self._own()
+
+    @staticmethod
+    def _machine_busy() -> float:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        # user, nice, system: the time charged to processes.
+        return sum(fields[:3]) / os.sysconf("SC_CLK_TCK")
+
+    @staticmethod
+    def _own() -> float:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def summary(self) -> str:
+        wall = time.monotonic() - self.wall
+        busy = self._machine_busy() - self.busy
+        own = self._own() - self.own
+        return (
+            f"load {self.load:.2f} at start, {os.getloadavg()[0]:.2f} at end; "
+            f"in {wall:.0f} s this benchmark used {own:.0f} CPU-s, other "
+            f"processes about {max(0.0, busy - own):.0f} CPU-s"
+        )
+
+
+def print_report(args, cluster, goodput, rows, ring, cpu) -> None:
+    """The table and the goals, on stdout."""
+    import jaxps
+
+    bandwidth = cluster.rate_bytes
+    m = args.elements * 4
+    print(f"\n## jaxps on an emulated cluster ({time.strftime('%Y-%m-%d')})\n")
+    print(
+        f"machine: {os.cpu_count()} cores, {platform.machine()}, Linux "
+        f"{platform.release()}, Python {platform.python_version()}; "
+        f"{cpu.summary()}"
+    )
+    print(
+        f"links: {args.rate_mbit:g} Mbit/s each way (tbf burst "
+        f"{cluster.burst_bytes} B, latency {cluster.queue_ms:g} ms, MTU "
+        f"{cluster.mtu}, {cluster.qdisc}); one TCP stream measured "
+        f"{goodput:.1f} Mbit/s of payload"
+    )
+    print(
+        f"M = {m / 1e6:g} MB float32, partition {args.partition_bytes} B, "
+        f"median of {args.repeats} after 1 warm-up; seconds\n"
+    )
+    header = ["config (n,k)", "jaxps", "t_opt", "jaxps/t_opt", "plan bound",
+              "ring", "speedup vs ring", "plain PS"]  # fmt: skip
+    table = []
+    for (n, k), row in rows.items():
+        t = statistics.median(row["mixed"]["times"])
+        topt = jaxps.optimal_time(n, k, m, bandwidth)
+        bound = plan_link_bytes(n, k, m, args.partition_bytes, True)
+        r = statistics.median(ring[n]["times"]) if n in ring else None
+        plain = row.get("plain")
+        table.append([
+            f"({n},{k})", fmt(t), fmt(topt), f"{t / topt:.2f}",
+            fmt(bound / bandwidth), fmt(r),
+            "-" if r is None else f"{r / t:.2f}x",
+            "-" if plain is None else fmt(statistics.median(plain["times"])),
+        ])  # fmt: skip
+    print(markdown(header, table))
+    ideal = ", ".join(
+        f"n={n}: ring ideal 2(n-1)M/(nB) = "
+        f"{2 * (n - 1) * m / (n * bandwidth):.2f} s"
+        for n in sorted(ring)
+    )
+    plain_ideal = ", ".join(
+        f"k={k}: plain PS ideal nM/(kB) = {n * m / (k * bandwidth):.2f} s"
+        for (n, k) in rows
+        if k > 0
+    )
+    print(f"\n{ideal}; {plain_ideal}" if plain_ideal else f"\n{ideal}")
+    print("\ngoals:")
+    for (n, k), row in rows.items():
+        t = statistics.median(row["mixed"]["times"])
+        ratio = t / jaxps.optimal_time(n, k, m, bandwidth)
+        verdict = "met" if ratio <= 1.10 else "MISSED"
+        print(f"- ({n},{k}) within 10% of t_opt: {verdict} ({ratio:.2f}x)")
+    at4 = [(n, k) for (n, k) in rows if k == 4 and n in ring]
+    if not at4:
+        print("- >= 1.4x faster than ring at k=4: n/a (no k=4 config run)")
+    for n, k in at4:
+        speedup = statistics.median(ring[n]["times"]) / statistics.median(
+            rows[(n, k)]["mixed"]["times"]
+        )
+        verdict = "met" if speedup >= 1.4 else "MISSED"
+        print(f"- ({n},{k}) >= 1.4x faster than ring: {verdict} "
+              f"({speedup:.2f}x)")  # fmt: skip
+    at2 = [(n, k) for (n, k) in rows if k == 2]
+    if not at2:
+        print("- mixed faster than plain PS at k=2: n/a (no k=2 config run)")
+    for n, k in at2:
+        mixed = statistics.median(rows[(n, k)]["mixed"]["times"])
+        if "plain" not in rows[(n, k)]:
+            print(f"- ({n},{k}) mixed faster than plain PS: n/a (not run)")
+            continue
+        plain = statistics.median(rows[(n, k)]["plain"]["times"])
+        verdict = "met" if mixed < plain else "MISSED"
+        print(f"- ({n},{k}) mixed faster than plain PS: {verdict} "
+              f"({plain / mixed:.2f}x)")  # fmt: skip
+
+
+def markdown(header, rows) -> str:
+    widths = [
+        max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))
+    ]
+    lines = []
+    for cells in [header, *rows]:
+        lines.append("| " + " | ".join(
+            str(c).ljust(w) if i == 0 else str(c).rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths))
+        ) + " |")  # fmt: skip
+    rule = "|" + "|".join(
+        "-" * (w + 2) if i == 0 else "-" * (w + 1) + ":"
+        for i, w in enumerate(widths)
+    )
+    lines.insert(1, rule + "|")
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        description="jaxps push_pull on an emulated cluster of network "
+        "namespaces with rate-limited links (needs root).",
+    )
+    p.add_argument(
+        "--rate-mbit",
+        type=float,
+        default=100.0,
+        help="rate of every link, each way (default %(default)s)",
+    )
+    p.add_argument(
+        "--mb",
+        type=float,
+        default=None,
+        help="bytes of the push_pull in 10^6 (default 25)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed repetitions after 1 warm-up (default 3)",
+    )
+    p.add_argument(
+        "--configs",
+        default=None,
+        help="'n,k;...' workers and CPU servers (default "
+        f"{DEFAULTS['configs']!r})",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short run: --mb 4 --repeats 1 --configs 4,2 unless given",
+    )
+    p.add_argument(
+        "--partition-kib",
+        type=int,
+        default=256,
+        help="jaxps partition size, KiB (default %(default)s; "
+        "jaxps' own default is 4096)",
+    )
+    p.add_argument(
+        "--credit-kib",
+        type=int,
+        default=0,
+        help="jaxps bytes in flight per server, KiB (default: "
+        "jaxps' own, 4 x 4 MiB)",
+    )
+    p.add_argument(
+        "--queue-ms",
+        type=float,
+        default=50.0,
+        help="tbf queue of each link end, in ms at the link rate "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--qdisc",
+        choices=_netns.QDISCS,
+        default="tbf",
+        help="shaping of each link end: tbf (one FIFO) or htb "
+        "(small packets first); default %(default)s",
+    )
+    p.add_argument(
+        "--sysctl",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a sysctl set in every host namespace (repeatable), "
+        "e.g. net.ipv4.tcp_slow_start_after_idle=0",
+    )
+    p.add_argument(
+        "--mtu",
+        type=int,
+        default=1500,
+        help="MTU of the links (default %(default)s)",
+    )
+    p.add_argument(
+        "--no-ring", action="store_true", help="skip the gloo ring all-reduce"
+    )
+    p.add_argument(
+        "--no-plain", action="store_true", help="skip the plain PS runs"
+    )
+    p.add_argument(
+        "--keep-logs",
+        action="store_true",
+        help="keep the children's logs (kept anyway on failure)",
+    )
+    p.add_argument(
+        "--cleanup",
+        action="store_true",
+        help="delete leftover jxb- namespaces and exit",
+    )
+    # The roles of the child processes.
+    hidden = argparse.SUPPRESS
+    p.add_argument("--child", choices=sorted(CHILDREN), help=hidden)
+    p.add_argument("--rank", type=int, help=hidden)
+    p.add_argument("--num-workers", type=int, help=hidden)
+    p.add_argument("--coordinator", help=hidden)
+    p.add_argument("--my-ip", help=hidden)
+    p.add_argument("--port", type=int, help=hidden)
+    p.add_argument("--connect", help=hidden)
+    p.add_argument("--bytes", type=int, help=hidden)
+    p.add_argument("--elements", type=int, help=hidden)
+    p.add_argument("--credit-bytes", type=int, default=0, help=hidden)
+    args = p.parse_args(argv)
+    if args.child:
+        return args
+    base = QUICK if args.quick else DEFAULTS
+    for name, value in base.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.mb <= 0 or args.repeats < 1 or args.rate_mbit <= 0:
+        p.error("--mb and --rate-mbit must be > 0 and --repeats >= 1")
+    if args.partition_kib < 1:
+        p.error("--partition-kib must be >= 1")
+    if any("=" not in kv for kv in args.sysctl):
+        p.error("--sysctl takes KEY=VALUE")
+    args.elements = max(1, int(args.mb * 1e6) // 4)
+    args.partition_bytes = args.partition_kib * 1024
+    args.credit_bytes = args.credit_kib * 1024
+    return args
+
+
+def _exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return CHILDREN[args.child](args)
+    if args.cleanup:
+        removed = _netns.cleanup()
+        print(f"removed {len(removed)} namespace(s): {' '.join(removed)}")
+        return 0
+    reason = _netns.unavailable()
+    if reason:
+        print(f"cluster.py: {reason}", file=sys.stderr)
+        return 2
+    configs = parse_configs(args.configs)
+    cluster = _netns.Cluster(
+        max(n for n, _ in configs),
+        max(k for _, k in configs),
+        args.rate_mbit,
+        mtu=args.mtu,
+        queue_ms=args.queue_ms,
+        qdisc=args.qdisc,
+        sysctls=dict(kv.split("=", 1) for kv in args.sysctl),
+    )
+    # Children and namespaces go away however this process ends: normally,
+    # on an exception, on SIGTERM/SIGHUP (made SystemExit) or at exit.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on_signal)
+    atexit.register(cluster.down)
+    atexit.register(_netns.stop_all)  # runs first
+    log_dir = tempfile.mkdtemp(prefix="jaxps-cluster-")
+    ok = False
+    cpu = CpuMeter()
+    try:
+        log(f"building {len(cluster.hosts)} hosts at {args.rate_mbit:g} "
+            f"Mbit/s ({cluster.prefix}*), logs in {log_dir}")  # fmt: skip
+        cluster.up()
+        log(f"link: {cluster.shaping()}")
+        bench = Bench(cluster, args, log_dir)
+        goodput = bench.goodput()
+        log(f"one TCP stream: {goodput:.1f} Mbit/s")
+        ring: dict[int, dict] = {}
+        if not args.no_ring:
+            for n in sorted({n for n, _ in configs}):
+                log(f"ring all-reduce, n={n} ...")
+                ring[n] = bench.ring(n)
+                log(f"  {_times(ring[n])}")
+        rows: dict[tuple[int, int], dict] = {}
+        for n, k in configs:
+            log(f"jaxps mixed mode, n={n} k={k} ...")
+            rows[(n, k)] = {"mixed": bench.jaxps(n, k, colocated=True)}
+            log(f"  {_times(rows[(n, k)]['mixed'])}")
+            if k > 0 and not args.no_plain:
+                log(f"jaxps plain PS, n={n} k={k} ...")
+                rows[(n, k)]["plain"] = bench.jaxps(n, k, colocated=False)
+                log(f"  {_times(rows[(n, k)]['plain'])}")
+        print_report(args, cluster, goodput, rows, ring, cpu)
+        log(f"total {time.monotonic() - cpu.wall:.0f} s")
+        ok = True
+    finally:
+        _netns.stop_all()
+        cluster.down()
+        if ok and not args.keep_logs:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        else:
+            log(f"logs kept in {log_dir}")
+    return 0
+
+
+def _times(run: dict) -> str:
+    return (
+        "slowest worker per repetition: "
+        + " ".join(f"{t:.2f}" for t in run["times"])
+        + " s; first start to last end: "
+        + " ".join(f"{t:.2f}" for t in run["spans"])
+        + " s"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

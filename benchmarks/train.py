@@ -1,0 +1,345 @@
+"""Training-step scaling and communication overlap of jaxps on one machine.
+
+Runs the synthetic flax models of ``examples/benchmark.py`` (forward,
+backward, push_pull of all gradients through the summation servers, SGD
+update) with 1 worker and no servers, then with N workers and ``--servers``
+servers on loopback, all through ``jaxps-launch``. It prints, per model, the
+median step time, samples/sec per worker, total samples/sec, the scaling
+efficiency total(N) / (N * total(1)), a compute-bound ideal for the shared
+cores, and, from the timeline traces (``JAXPS_TRACE_DIR``) of the timed steps
+only, the communication per step, the part of it the step waited for
+(exposed) and the overlap fraction 1 - exposed / communication.
+
+    python benchmarks/train.py [--models resnet,transformer]
+        [--workers 1,2,4] [--servers 2] [--batch-size 32] [--iters 5]
+
+Every run is one ``jaxps-launch`` child with a timeout; the launcher stops
+its servers and workers itself, and is sent SIGTERM (then SIGKILL) if it
+overruns. A run that would likely end after ``--budget`` seconds is skipped.
+The runs share a temporary JAX compilation cache (``--no-compile-cache`` to
+turn it off), which shortens model set-up only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from _common import format_table, load_average, log
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLES = os.path.join(os.path.dirname(HERE), "examples")
+RESULT = "TRAIN_RESULT "
+MODELS = ("resnet", "transformer")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", "--model", default=",".join(MODELS),
+                   help="comma-separated: resnet, transformer")
+    p.add_argument("--workers", default="1,2,4",
+                   help="comma-separated worker counts (first should be 1)")
+    p.add_argument("--servers", type=int, default=2,
+                   help="summation servers of the multi-worker runs")
+    p.add_argument("--batch-size", type=int, default=32,
+                   help="batch size per worker")
+    p.add_argument("--iters", type=int, default=5,
+                   help="timed iterations (each --batches-per-iter steps)")
+    p.add_argument("--batches-per-iter", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps first (they include compilation)")
+    p.add_argument("--run-timeout", type=float, default=150.0,
+                   help="seconds one launch may take")
+    p.add_argument("--budget", type=float, default=330.0,
+                   help="no run starts after this many seconds")
+    p.add_argument("--jaxps-timeout", type=float, default=120.0,
+                   help="jaxps-launch --timeout (workers compile at "
+                   "different speeds on shared cores)")
+    p.add_argument("--no-compile-cache", dest="compile_cache",
+                   action="store_false",
+                   help="do not share JAX's compilation cache between runs")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model-name", default="resnet", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    for m in args.models:
+        if m not in MODELS:
+            p.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
+    args.workers = [int(n) for n in args.workers.split(",") if n.strip()]
+    if not args.workers or min(args.workers) < 1:
+        p.error("--workers needs counts >= 1")
+    if args.servers < 1 and max(args.workers) > 1:
+        p.error("more than one worker needs --servers >= 1")
+    return args
+
+
+# ----------------------------------------------------------------------------
+# Worker side: one rank of a jaxps-launch job.
+
+
+def child(args: argparse.Namespace) -> None:
+    """Runs examples/benchmark.py's main in this process, prints its rates.
+
+    The example's `train_step` is wrapped (same function, called through)
+    only to note the CPU and wall clocks when the first timed step starts.
+    """
+    sys.path.insert(0, EXAMPLES)
+    import benchmark
+
+    step, clock = benchmark.train_step, {"calls": 0}
+
+    def counted_step(*a, **k):
+        if clock["calls"] == args.warmup:
+            clock["cpu"], clock["wall"] = time.process_time(), time.time()
+        clock["calls"] += 1
+        return step(*a, **k)
+
+    benchmark.train_step = counted_step
+    rates = benchmark.main([
+        "--model", args.model_name,
+        "--batch-size", str(args.batch_size),
+        "--num-warmup-batches", str(args.warmup),
+        "--num-batches-per-iter", str(args.batches_per_iter),
+        "--num-iters", str(args.iters),
+    ])
+    wall = time.time() - clock["wall"]
+    cores = (time.process_time() - clock["cpu"]) / wall
+    rank = int(os.environ.get("JAXPS_WORKER_RANK", "0"))
+    print(RESULT + json.dumps({"rank": rank, "rates": rates,
+                               "cores": cores}), flush=True)
+
+
+# ----------------------------------------------------------------------------
+# Driver side.
+
+
+def launch(cmd: list[str], env: dict[str, str], cwd: str,
+           timeout: float) -> tuple[int | None, str, str]:
+    """Runs the launcher; returns (code or None on timeout, stdout, stderr).
+
+    On timeout (or if this script is stopped) the launcher gets SIGTERM,
+    which makes it stop all of its servers and workers, then SIGKILL.
+    """
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, text=True,
+                            stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        return None, *stop(proc)
+    finally:
+        if proc.poll() is None:
+            stop(proc)
+
+
+def stop(proc: subprocess.Popen) -> tuple[str, str]:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()
+
+
+def timed_events(events: list[dict], steps: int) -> tuple[list[dict], int]:
+    """The trace events of the last `steps` steps; and all push_pulls.
+
+    Every step runs one push_pull of all gradients, i.e. one ``in_flight``,
+    ``start`` and ``done`` span (before them come the broadcast and the
+    warm-up steps); the chunk stages are kept from the first timed push_pull
+    on.
+    """
+    def last(name, **match):
+        spans = [e for e in events if e.get("name") == name
+                 and all(e.get(k) == v for k, v in match.items())]
+        return sorted(spans, key=lambda e: e["ts"])[-steps:]
+
+    flights = last("in_flight")
+    begin = flights[0]["ts"] if flights else float("inf")
+    stages = [e for e in events if e.get("name") in ("queue", "push", "pull")
+              and e["ts"] >= begin]
+    total = sum(1 for e in events if e.get("name") == "in_flight")
+    return (flights + last("start", tid="device") + last("done", tid="device")
+            + stages), total
+
+
+def cache_env(args) -> dict[str, str]:
+    """JAX's persistent compilation cache in this invocation's temp dir.
+
+    The workers of later runs then load the many small programs of model
+    set-up instead of compiling them again (the train step, which has host
+    callbacks, is compiled anyway); only set-up time changes.
+    """
+    if not args.cache_dir:
+        return {}
+    return {"JAX_COMPILATION_CACHE_DIR": args.cache_dir,
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+
+
+def run(args, model: str, workers: int) -> dict:
+    from jaxps._src import timeline
+
+    servers = 0 if workers == 1 else args.servers
+    steps = args.iters * args.batches_per_iter
+    with tempfile.TemporaryDirectory(prefix="jaxps-train-") as tmp:
+        env = dict(os.environ, JAXPS_TRACE_DIR=tmp, **cache_env(args))
+        cmd = [sys.executable, "-m", "jaxps._src.launch",
+               "--workers", str(workers), "--servers", str(servers),
+               "--timeout", str(args.jaxps_timeout), "--",
+               sys.executable, os.path.abspath(__file__), "--child",
+               "--model-name", model,
+               "--batch-size", str(args.batch_size),
+               "--iters", str(args.iters),
+               "--batches-per-iter", str(args.batches_per_iter),
+               "--warmup", str(args.warmup)]
+        load = load_average()
+        began = time.monotonic()
+        code, out, err = launch(cmd, env, tmp, args.run_timeout)
+        took = time.monotonic() - began
+        if code != 0:
+            why = "timed out" if code is None else f"exited {code}"
+            tail = "\n".join(err.splitlines()[-15:])
+            raise RuntimeError(f"{model} x{workers}: launcher {why}:\n{tail}")
+        results = [json.loads(line.split(RESULT, 1)[1])
+                   for line in out.splitlines() if RESULT in line]
+        if len(results) != workers:
+            raise RuntimeError(f"{model} x{workers}: {len(results)} results")
+        params = re.search(r"Model: \w+ \(([\d,]+) parameters\)", out)
+        step_s = [args.batch_size / r for res in results for r in res["rates"]]
+        exposed = comm = start = 0.0
+        counts = set()
+        for rank in range(workers):
+            path = os.path.join(tmp, f"jaxps-rank{rank}.trace.json")
+            events, total = timed_events(timeline.load(path), steps)
+            counts.add(total)
+            s = timeline.summarize(events)
+            exposed, comm = exposed + s["exposed_s"], comm + s["comm_s"]
+            start += s["start_s"]
+    return {
+        "model": model, "workers": workers, "servers": servers,
+        "step_s": statistics.median(step_s),
+        "step_min": min(step_s), "step_max": max(step_s),
+        "cores": statistics.mean(r["cores"] for r in results),
+        "exposed": exposed / (workers * steps),
+        "comm": comm / (workers * steps),
+        "start": start / (workers * steps),
+        "overlap": 1.0 - min(exposed, comm) / comm if comm else None,
+        "push_pulls": sorted(counts), "params": params and params.group(1),
+        "load": load, "took": took,
+    }
+
+
+def table(args, rows: list[dict]) -> str:
+    base = next((r for r in rows if r["workers"] == 1), None)
+    total1 = args.batch_size / base["step_s"] if base else None
+    header = ["workers", "servers", "step ms", "smp/s/worker", "total smp/s",
+              "scaling eff", "ideal smp/s/worker", "vs ideal",
+              "worker cores", "comm ms/step", "exposed ms/step", "overlap"]
+    body = []
+    for r in rows:
+        n = r["workers"]
+        per = args.batch_size / r["step_s"]
+        ideal = total1 * min(n, 2) / n if total1 else None
+        comm = r["comm"] > 0
+        body.append([
+            str(n), str(r["servers"]), f"{1e3 * r['step_s']:.1f}",
+            f"{per:.1f}", f"{n * per:.1f}",
+            f"{n * per / (n * total1):.2f}" if total1 else "-",
+            f"{ideal:.1f}" if ideal else "-",
+            f"{per / ideal:.2f}" if ideal else "-",
+            f"{r['cores']:.2f}",
+            f"{1e3 * r['comm']:.1f}" if comm else "-",
+            f"{1e3 * r['exposed']:.1f}" if comm else "-",
+            f"{r['overlap']:.2f}" if r["overlap"] is not None else "-",
+        ])
+    return format_table(header, body)
+
+
+def versions() -> str:
+    import flax
+    import grpc
+    import jax
+    import numpy
+    import optax
+
+    import jaxps
+    return (f"Python {platform.python_version()}, jax {jax.__version__}, "
+            f"flax {flax.__version__}, optax {optax.__version__}, "
+            f"grpcio {grpc.__version__}, numpy {numpy.__version__}, "
+            f"jaxps {jaxps.__version__}; {os.cpu_count()} CPU cores")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        child(args)
+        return 0
+    # A SIGTERM becomes SystemExit, so that `launch` stops the launcher.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    with contextlib.ExitStack() as stack:
+        args.cache_dir = None
+        if args.compile_cache:
+            args.cache_dir = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="jaxps-train-cache-"))
+        return drive(args)
+
+
+def drive(args) -> int:
+    began = time.monotonic()
+    steps = args.iters * args.batches_per_iter
+    print(f"# {versions()}")
+    print(f"# batch {args.batch_size}/worker, {args.warmup} warm-up steps, "
+          f"{args.iters} x {args.batches_per_iter} timed steps per worker; "
+          "loopback", flush=True)
+    failed = False
+    for model in args.models:
+        rows, guess = [], 0.0
+        for n in args.workers:
+            # Set-up and compilation dominate a run and grow about linearly
+            # with the workers sharing the cores: guess from the last run.
+            if rows:
+                guess = rows[-1]["took"] * n / rows[-1]["workers"]
+            if time.monotonic() - began + guess > args.budget:
+                log(f"{model} x{n}: skipped (would end past --budget "
+                    f"{args.budget:g} s)")
+                continue
+            log(f"{model}: {n} worker(s), load {load_average()} ...")
+            try:
+                r = run(args, model, n)
+            except (RuntimeError, OSError, ValueError) as err:
+                log(f"FAILED: {err}")
+                failed = True
+                continue
+            rows.append(r)
+            note = (f"; start (D2H copy + hand-off) {1e3 * r['start']:.1f} "
+                    f"ms/step; push_pulls per trace {r['push_pulls']} "
+                    f"(expected {1 + args.warmup + steps})"
+                    if r["servers"] else "")
+            log(f"  {r['took']:.0f} s; step {1e3 * r['step_s']:.1f} ms "
+                f"(range {1e3 * r['step_min']:.1f}-{1e3 * r['step_max']:.1f})"
+                + note)
+        if not rows:
+            continue
+        params = rows[0]["params"] or "?"
+        loads = ", ".join(f"x{r['workers']}: {r['load']}" for r in rows)
+        print(f"\n## {model} ({params} parameters); load before runs: "
+              f"{loads}\n")
+        print(table(args, rows), flush=True)
+    print(f"\n# total {time.monotonic() - began:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""End-to-end run of the emulated-cluster benchmark in its --quick form.
+
+    /work/venv/bin/python -m pytest tests/test_cluster_bench.py -m slow
+
+Needs root and ``ip netns``; skipped otherwise. The benchmark builds network
+namespaces named ``jxb-<pid>-*`` and must delete all of them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "cluster.py"
+
+
+def _netns_module():
+    spec = importlib.util.spec_from_file_location(
+        "cluster_bench_netns", ROOT / "benchmarks" / "_netns.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True, timeout=10
+    ).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cluster_quick_run_prints_table_and_cleans_up():
+    if os.geteuid() != 0:
+        pytest.skip("needs root (network namespaces)")
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("needs iproute2 (ip, tc)")
+    try:
+        subprocess.run(
+            ["ip", "netns", "list"], check=True, capture_output=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError) as err:
+        pytest.skip(f"`ip netns` is unavailable: {err}")
+
+    before = {ns for ns in _namespaces() if ns.startswith("jxb-")}
+    # As a user would run it: no JAXPS_* of the test process, no fake
+    # devices from conftest's XLA_FLAGS.
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("JAXPS_") and k != "XLA_FLAGS"
+    }
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--quick"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    own = f"jxb-{proc.pid}-"
+    try:
+        out, err = proc.communicate(timeout=270)
+    except subprocess.TimeoutExpired:
+        # SIGTERM lets the benchmark delete its namespaces; then make sure.
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=10)
+        _netns_module().cleanup(own)
+        pytest.fail("benchmarks/cluster.py --quick took more than 270 s")
+
+    left = {ns for ns in _namespaces() if ns.startswith("jxb-")} - before
+    if left:
+        _netns_module().cleanup(own)
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{err[-3000:]}"
+    assert "| config (n,k) |" in out, out
+    assert "jaxps/t_opt" in out and "| (4,2)" in out, out
+    assert "goals:" in out, out
+    assert not left, f"namespaces left behind: {sorted(left)}"
