@@ -16,13 +16,12 @@ from ._store import Key, Round, Store, StoreError, _accumulator_dtype, _cast
 
 
 class _AsyncTicket:
-    __slots__ = ("key", "data", "init", "round")
+    __slots__ = ("key", "data", "init")
 
     def __init__(self, key: Key, data: np.ndarray, init: bool):
         self.key = key
         self.data = data
         self.init = init
-        self.round = None
 
     @property
     def engine(self) -> int:

@@ -25,7 +25,9 @@ _BY_CODE = {
 }
 _BY_DTYPE = {dt: code for code, dt in _BY_CODE.items()}
 
-SUPPORTED_DTYPES = tuple(str(d) for d in _BY_CODE.values())
+#: The numpy dtypes jaxps sends, and their names.
+DTYPES = tuple(_BY_CODE.values())
+SUPPORTED_DTYPES = tuple(str(d) for d in DTYPES)
 
 
 def dtype_code(dtype) -> int:

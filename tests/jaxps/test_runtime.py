@@ -7,13 +7,13 @@ the servers are separate `jaxps-server` processes.
 import concurrent.futures
 import time
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 from jaxps import errors
 from jaxps._src.config import Config
 from jaxps._src.runtime import Runtime
+from jaxps.servers import _wire
 
 SMALL = 4096  # partition bytes that make several chunks out of small arrays
 
@@ -42,14 +42,7 @@ def contribution(rank, size, dtype, seed=0):
     return rng.integers(-100, 100, size=size).astype(dtype)
 
 
-DTYPES = [
-    np.float32,
-    np.float64,
-    np.float16,
-    ml_dtypes.bfloat16,
-    np.int32,
-    np.int64,
-]
+DTYPES = _wire.DTYPES
 
 
 @pytest.mark.timeout(120)

@@ -1,6 +1,5 @@
 """The summation store, without gRPC."""
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -36,14 +35,7 @@ def pull(store, key, rnd, rank, like):
     return None if result is None else np.frombuffer(result, like.dtype)
 
 
-DTYPES = [
-    np.float32,
-    np.float64,
-    np.float16,
-    ml_dtypes.bfloat16,
-    np.int32,
-    np.int64,
-]
+DTYPES = _wire.DTYPES
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
