@@ -31,7 +31,7 @@ def arrivals(address: str, layers: int, layer_bytes: int, prioritized: bool):
         partition_bytes=64 * 1024,
         credit_bytes=64 * 1024,
     )
-    rt = Runtime(cfg, senders_per_server=1)
+    rt = Runtime(cfg, senders_per_server=1, channels_per_server=1)
     done = [0.0] * layers
     try:
         grads = [np.ones(layer_bytes // 4, np.float32) for _ in range(layers)]

@@ -12,18 +12,6 @@ import pytest  # noqa: E402
 from jaxps.servers._cli import READY_PREFIX  # noqa: E402
 
 
-def _die_with_parent() -> None:
-    """Child side: get SIGKILL if the test process dies (Linux)."""
-    try:
-        import ctypes
-        import signal
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 class ServerProcess:
     """A ``jaxps-server`` child process on 127.0.0.1 and a free port."""
 
@@ -43,7 +31,6 @@ class ServerProcess:
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
         )
         line = self.proc.stdout.readline()
         if not line.startswith(READY_PREFIX):

@@ -72,6 +72,9 @@ class ServerClient:
             ("grpc.max_reconnect_backoff_ms", 1000),
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.enable_retries", 0),
+            # one connection per client, so several clients of a server
+            # spread over several TCP connections
+            ("grpc.use_local_subchannel_pool", 1),
         ]
         if credentials is None:
             self._channel = grpc.insecure_channel(address, options=options)

@@ -276,11 +276,20 @@ class Runtime:
 
     Args:
       config: the worker's settings.
-      senders_per_server: threads pushing to each server.
+      senders_per_server: threads pushing on each channel.
+      channels_per_server: gRPC channels (TCP connections) to each server;
+        a server's pieces take turns on them.
     """
 
-    def __init__(self, config: Config, *, senders_per_server: int = 2):
+    def __init__(
+        self,
+        config: Config,
+        *,
+        senders_per_server: int = 2,
+        channels_per_server: int = 1,
+    ):
         self.config = config
+        self._channels = channels_per_server
         self._lock = threading.Lock()
         self._rounds: dict[str, int] = {}
         self._in_flight: set[str] = set()
@@ -309,6 +318,7 @@ class Runtime:
                 credentials=credentials,
             )
             for s in addresses
+            for _ in range(channels_per_server)
         ]
         try:
             for c in clients:
@@ -333,7 +343,9 @@ class Runtime:
             )
         #: whether the servers hold parameters (async mode)
         self.async_servers = modes == {True}
-        credit = max(config.credit_bytes, config.partition_bytes)
+        credit = max(
+            config.credit_bytes // channels_per_server, config.partition_bytes
+        )
         self.timeline = None
         if config.trace_dir:
             self.timeline = _timeline.Timeline(
@@ -429,7 +441,9 @@ class Runtime:
                 length=piece.length,
                 name=piece.label,
             )
-            lane = self._lanes[piece.server]
+            lane = self._lanes[
+                piece.server * self._channels + i % self._channels
+            ]
             chunk = _Chunk(handle, source, dest, header, divisor, lane)
             lane.queue.put((-piece.priority, seq, i, chunk))
         return handle

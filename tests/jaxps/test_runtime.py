@@ -230,7 +230,7 @@ def test_priorities_let_the_first_layer_overtake_queued_layers(start_servers):
         partition_bytes=64 * 1024,
         credit_bytes=64 * 1024,
     )
-    rt = Runtime(cfg, senders_per_server=1)
+    rt = Runtime(cfg, senders_per_server=1, channels_per_server=1)
     order = []
     try:
         grads = np.ones(64 * 1024, np.float32)  # 4 chunks per layer
