@@ -7,11 +7,16 @@ with FIFO order and once with priorities (first layer highest), and prints
 when each layer's sum is back.
 
     python benchmarks/priority.py [--layers 24] [--layer-kb 512]
+        [--trace-dir DIR]
+
+With --trace-dir it also writes DIR/fifo/ and DIR/priority/ traces (open them
+at ui.perfetto.dev, or render them with scripts/plot_timeline.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import threading
@@ -24,18 +29,25 @@ from jaxps._src.runtime import Runtime
 from jaxps.servers._cli import READY_PREFIX
 
 
-def arrivals(address: str, layers: int, layer_bytes: int, prioritized: bool):
+def arrivals(
+    address: str,
+    layers: int,
+    layer_bytes: int,
+    prioritized: bool,
+    trace_dir: str | None = None,
+):
     """Seconds after the first enqueue at which each layer's sum is back."""
+    mode = "priority" if prioritized else "fifo"
     cfg = Config(
         servers=(address,),
         partition_bytes=64 * 1024,
         credit_bytes=64 * 1024,
+        trace_dir=os.path.join(trace_dir, mode) if trace_dir else None,
     )
     rt = Runtime(cfg, senders_per_server=1, channels_per_server=1)
     done = [0.0] * layers
     try:
         grads = [np.ones(layer_bytes // 4, np.float32) for _ in range(layers)]
-        mode = "priority" if prioritized else "fifo"
         rt.push_pull_async([f"{mode}/warm"], [grads[0]]).wait()
         start = time.monotonic()
         handles = []
@@ -65,6 +77,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--layer-kb", type=int, default=512)
+    p.add_argument("--trace-dir", default=None)
     args = p.parse_args(argv)
     server = subprocess.Popen(
         [sys.executable, "-m", "jaxps.servers", "--num-workers", "1"],
@@ -76,8 +89,8 @@ def main(argv=None) -> int:
         assert line.startswith(READY_PREFIX), line
         address = line[len(READY_PREFIX) :].strip()
         nbytes = args.layer_kb * 1024
-        fifo = arrivals(address, args.layers, nbytes, prioritized=False)
-        prio = arrivals(address, args.layers, nbytes, prioritized=True)
+        fifo = arrivals(address, args.layers, nbytes, False, args.trace_dir)
+        prio = arrivals(address, args.layers, nbytes, True, args.trace_dir)
     finally:
         server.terminate()
         server.wait(10)
