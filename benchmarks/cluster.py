@@ -511,17 +511,17 @@ def print_report(args, cluster, goodput, rows, ring, cpu) -> None:
             "-" if plain is None else fmt(statistics.median(plain["times"])),
         ])  # fmt: skip
     print(markdown(header, table))
-    ideal = ", ".join(
+    ideals = [
         f"n={n}: ring ideal 2(n-1)M/(nB) = "
         f"{2 * (n - 1) * m / (n * bandwidth):.2f} s"
-        for n in sorted(ring)
-    )
-    plain_ideal = ", ".join(
-        f"k={k}: plain PS ideal nM/(kB) = {n * m / (k * bandwidth):.2f} s"
+        for n in sorted({n for n, _ in rows})
+    ]
+    ideals += [
+        f"n={n},k={k}: plain PS ideal nM/(kB) = {n * m / (k * bandwidth):.2f} s"
         for (n, k) in rows
         if k > 0
-    )
-    print(f"\n{ideal}; {plain_ideal}" if plain_ideal else f"\n{ideal}")
+    ]
+    print("\n" + "; ".join(ideals))
     print("\ngoals:")
     for (n, k), row in rows.items():
         t = statistics.median(row["mixed"]["times"])

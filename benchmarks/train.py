@@ -2,16 +2,29 @@
 
 Runs the synthetic flax models of ``examples/benchmark.py`` (forward,
 backward, push_pull of all gradients through the summation servers, SGD
-update) with 1 worker and no servers, then with N workers and ``--servers``
-servers on loopback, all through ``jaxps-launch``. It prints, per model, the
-median step time, samples/sec per worker, total samples/sec, the scaling
-efficiency total(N) / (N * total(1)), a compute-bound ideal for the shared
-cores, and, from the timeline traces (``JAXPS_TRACE_DIR``) of the timed steps
-only, the communication per step, the part of it the step waited for
-(exposed) and the overlap fraction 1 - exposed / communication.
+update) through ``jaxps-launch`` on loopback: 1 worker without servers, then
+N workers with ``--servers`` servers.
 
     python benchmarks/train.py [--models resnet,transformer]
         [--workers 1,2,4] [--servers 2] [--batch-size 32] [--iters 5]
+
+Per model it prints a Markdown table:
+
+- step ms: median over all workers' timed iterations of iteration time /
+  steps; samples/sec per worker = batch / step; total = N x that;
+- scaling eff = total(N) / (N x total(1));
+- ideal smp/s/worker = total(1) x min(N, 2) / N, the compute-bound ceiling
+  on 2 cores *if* one worker used one core (see cores/worker for how many it
+  really uses), and vs ideal = samples/sec per worker / that;
+- cores/worker: CPU seconds per wall second of a worker process during the
+  timed steps; job cores: the same for launcher + servers + workers; other
+  cores: everything else running on the machine meanwhile (a busy machine
+  spoils the run);
+- from the timeline traces (``JAXPS_TRACE_DIR``) of the timed steps only:
+  comm = time a push_pull was in flight, exposed = time the step waited for
+  it in the ``done`` callback, overlap = 1 - exposed / comm;
+
+and a table of the chunk stages per step (start, queue, push, pull).
 
 Every run is one ``jaxps-launch`` child with a timeout; the launcher stops
 its servers and workers itself, and is sent SIGTERM (then SIGKILL) if it
@@ -61,7 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--run-timeout", type=float, default=150.0,
                    help="seconds one launch may take")
     p.add_argument("--budget", type=float, default=330.0,
-                   help="no run starts after this many seconds")
+                   help="skip runs likely to end after this many seconds")
     p.add_argument("--jaxps-timeout", type=float, default=120.0,
                    help="jaxps-launch --timeout (workers compile at "
                    "different speeds on shared cores)")
@@ -78,6 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.workers = [int(n) for n in args.workers.split(",") if n.strip()]
     if not args.workers or min(args.workers) < 1:
         p.error("--workers needs counts >= 1")
+    if min(args.iters, args.batches_per_iter, args.warmup) < 1:
+        p.error("--iters, --batches-per-iter and --warmup must be >= 1")
     if args.servers < 1 and max(args.workers) > 1:
         p.error("more than one worker needs --servers >= 1")
     return args
@@ -87,20 +102,55 @@ def parse_args(argv=None) -> argparse.Namespace:
 # Worker side: one rank of a jaxps-launch job.
 
 
+def cpu_seconds(root: int) -> tuple[float, float]:
+    """(busy CPU seconds of the machine, of `root` and its descendants).
+
+    From /proc: the machine's non-idle time and the utime + stime of every
+    process whose parent chain reaches `root` (the launcher: it and the
+    servers and workers it started).
+    """
+    hz = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat") as f:
+        cpu = [int(v) for v in f.readline().split()[1:9]]
+    machine = sum(cpu) - cpu[3] - cpu[4]  # all but idle and iowait
+    parent, ticks = {}, {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # already gone
+        fields = stat[stat.rindex(")") + 2:].split()
+        parent[int(name)] = int(fields[1])
+        ticks[int(name)] = int(fields[11]) + int(fields[12])
+    ours = 0
+    for pid, t in ticks.items():
+        p = pid
+        while p > 1 and p != root:
+            p = parent.get(p, 0)
+        ours += t if p == root else 0
+    return machine / hz, ours / hz
+
+
 def child(args: argparse.Namespace) -> None:
     """Runs examples/benchmark.py's main in this process, prints its rates.
 
     The example's `train_step` is wrapped (same function, called through)
-    only to note the CPU and wall clocks when the first timed step starts.
+    only to read the clocks when the first timed step starts. Rank 0 also
+    measures how busy the machine was with other processes meanwhile.
     """
     sys.path.insert(0, EXAMPLES)
     import benchmark
 
+    rank = int(os.environ.get("JAXPS_WORKER_RANK", "0"))
     step, clock = benchmark.train_step, {"calls": 0}
 
     def counted_step(*a, **k):
         if clock["calls"] == args.warmup:
             clock["cpu"], clock["wall"] = time.process_time(), time.time()
+            clock["proc"] = cpu_seconds(os.getppid()) if rank == 0 else None
         clock["calls"] += 1
         return step(*a, **k)
 
@@ -113,10 +163,14 @@ def child(args: argparse.Namespace) -> None:
         "--num-iters", str(args.iters),
     ])
     wall = time.time() - clock["wall"]
-    cores = (time.process_time() - clock["cpu"]) / wall
-    rank = int(os.environ.get("JAXPS_WORKER_RANK", "0"))
-    print(RESULT + json.dumps({"rank": rank, "rates": rates,
-                               "cores": cores}), flush=True)
+    result = {"rank": rank, "rates": rates,
+              "cores": (time.process_time() - clock["cpu"]) / wall}
+    if clock["proc"] is not None:
+        machine, ours = (b - a for a, b in zip(clock["proc"],
+                                                cpu_seconds(os.getppid())))
+        result["job_cores"] = ours / wall
+        result["other_cores"] = max(0.0, machine - ours) / wall
+    print(RESULT + json.dumps(result), flush=True)
 
 
 # ----------------------------------------------------------------------------
@@ -218,27 +272,45 @@ def run(args, model: str, workers: int) -> dict:
             raise RuntimeError(f"{model} x{workers}: {len(results)} results")
         params = re.search(r"Model: \w+ \(([\d,]+) parameters\)", out)
         step_s = [args.batch_size / r for res in results for r in res["rates"]]
-        exposed = comm = start = 0.0
-        counts = set()
+        sums = dict.fromkeys(("exposed_s", "comm_s", "start_s", "queue_s",
+                              "push_s", "pull_s"), 0.0)
+        counts, chunks, rows, pulls = set(), 0, set(), []
         for rank in range(workers):
             path = os.path.join(tmp, f"jaxps-rank{rank}.trace.json")
             events, total = timed_events(timeline.load(path), steps)
             counts.add(total)
-            s = timeline.summarize(events)
-            exposed, comm = exposed + s["exposed_s"], comm + s["comm_s"]
-            start += s["start_s"]
+            for key, value in timeline.summarize(events).items():
+                if key in sums:
+                    sums[key] += value
+            pushes = [e for e in events if e.get("name") == "push"]
+            chunks += len(pushes)
+            rows.update(e["tid"] for e in pushes)
+            pulls.append([e["dur"] / 1e6 for e in sorted(
+                (e for e in events if e.get("name") == "pull"),
+                key=lambda e: e["ts"])])
+    per_step = {k[:-2]: v / (workers * steps) for k, v in sums.items()}
+    exposed, comm = sums["exposed_s"], sums["comm_s"]
     return {
         "model": model, "workers": workers, "servers": servers,
         "step_s": statistics.median(step_s),
         "step_min": min(step_s), "step_max": max(step_s),
         "cores": statistics.mean(r["cores"] for r in results),
-        "exposed": exposed / (workers * steps),
-        "comm": comm / (workers * steps),
-        "start": start / (workers * steps),
+        "job_cores": results_of(results, 0)["job_cores"],
+        "other_cores": results_of(results, 0)["other_cores"],
+        **per_step,
+        "chunks": chunks / (workers * steps), "servers_used": len(rows),
+        # The worker whose push completes a round waits for nobody: the
+        # shortest pull of each round is about the transfer alone.
+        "pull_last": (statistics.mean(min(p) for p in zip(*pulls))
+                      if pulls and all(pulls) else 0.0),
         "overlap": 1.0 - min(exposed, comm) / comm if comm else None,
         "push_pulls": sorted(counts), "params": params and params.group(1),
-        "load": load, "took": took,
+        "load": f"{load}/{load_average()}", "took": took,
     }
+
+
+def results_of(results: list[dict], rank: int) -> dict:
+    return next(r for r in results if r["rank"] == rank)
 
 
 def table(args, rows: list[dict]) -> str:
@@ -246,7 +318,8 @@ def table(args, rows: list[dict]) -> str:
     total1 = args.batch_size / base["step_s"] if base else None
     header = ["workers", "servers", "step ms", "smp/s/worker", "total smp/s",
               "scaling eff", "ideal smp/s/worker", "vs ideal",
-              "worker cores", "comm ms/step", "exposed ms/step", "overlap"]
+              "cores/worker", "job cores", "other cores", "comm ms/step",
+              "exposed ms/step", "overlap"]
     body = []
     for r in rows:
         n = r["workers"]
@@ -259,12 +332,25 @@ def table(args, rows: list[dict]) -> str:
             f"{n * per / (n * total1):.2f}" if total1 else "-",
             f"{ideal:.1f}" if ideal else "-",
             f"{per / ideal:.2f}" if ideal else "-",
-            f"{r['cores']:.2f}",
+            f"{r['cores']:.2f}", f"{r['job_cores']:.2f}",
+            f"{r['other_cores']:.2f}",
             f"{1e3 * r['comm']:.1f}" if comm else "-",
             f"{1e3 * r['exposed']:.1f}" if comm else "-",
             f"{r['overlap']:.2f}" if r["overlap"] is not None else "-",
         ])
     return format_table(header, body)
+
+
+def detail(rows: list[dict]) -> str:
+    """Where the communication time of a step went, per worker."""
+    header = ["workers", "chunks/step", "servers used", "start ms",
+              "queue ms", "push ms", "pull ms", "pull of last rank ms",
+              "in flight ms", "exposed ms"]
+    body = [[str(r["workers"]), f"{r['chunks']:.1f}", str(r["servers_used"]),
+             *(f"{1e3 * r[k]:.1f}" for k in ("start", "queue", "push", "pull",
+                                             "pull_last", "comm", "exposed"))]
+            for r in rows if r["servers"]]
+    return format_table(header, body) if body else ""
 
 
 def versions() -> str:
@@ -318,13 +404,12 @@ def drive(args) -> int:
             log(f"{model}: {n} worker(s), load {load_average()} ...")
             try:
                 r = run(args, model, n)
-            except (RuntimeError, OSError, ValueError) as err:
+            except (RuntimeError, OSError, ValueError, KeyError) as err:
                 log(f"FAILED: {err}")
                 failed = True
                 continue
             rows.append(r)
-            note = (f"; start (D2H copy + hand-off) {1e3 * r['start']:.1f} "
-                    f"ms/step; push_pulls per trace {r['push_pulls']} "
+            note = (f"; push_pulls per trace {r['push_pulls']} "
                     f"(expected {1 + args.warmup + steps})"
                     if r["servers"] else "")
             log(f"  {r['took']:.0f} s; step {1e3 * r['step_s']:.1f} ms "
@@ -334,9 +419,13 @@ def drive(args) -> int:
             continue
         params = rows[0]["params"] or "?"
         loads = ", ".join(f"x{r['workers']}: {r['load']}" for r in rows)
-        print(f"\n## {model} ({params} parameters); load before runs: "
-              f"{loads}\n")
+        print(f"\n## {model} ({params} parameters); 1-min load average "
+              f"before/after: {loads}\n")
         print(table(args, rows), flush=True)
+        more = detail(rows)
+        if more:
+            print(f"\nper step and worker, timed steps ({model}):\n")
+            print(more, flush=True)
     print(f"\n# total {time.monotonic() - began:.0f} s")
     return 1 if failed else 0
 
