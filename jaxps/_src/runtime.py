@@ -398,7 +398,10 @@ class Runtime:
         timeout = 2 * pull_deadline(self.config.timeout)
         if not self._lanes:  # a single worker without servers
             outs = [f.copy() for f in flats]
-            return Handle(list(names), outs, shapes, 0, None, timeout)
+            return Handle(
+                list(names), outs, shapes, 0, lambda: None, timeout,
+                self.timeline,
+            )  # fmt: skip
         if priorities is None:
             priorities = [-i for i in range(len(names))]
         plan = self._plan(names, flats, tuple(priorities))

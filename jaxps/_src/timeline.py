@@ -19,7 +19,10 @@ import os
 import threading
 import time
 
-_EPOCH = time.perf_counter()
+# Events are stamped with a monotonic clock shifted to wall-clock time, so
+# the traces of different ranks line up (exactly on one machine, as well as
+# the clocks are synchronized across machines).
+_WALL_OFFSET = time.time() - time.perf_counter()
 
 
 def now() -> float:
@@ -58,7 +61,7 @@ class Timeline:
             "ph": "X",
             "pid": self.rank,
             "tid": row,
-            "ts": (start - _EPOCH) * 1e6,
+            "ts": (start + _WALL_OFFSET) * 1e6,
             "dur": max(0.0, end - start) * 1e6,
         }
         if args:
@@ -93,18 +96,25 @@ class Timeline:
             )
 
 
-def summarize(events: list[dict]) -> dict[str, float]:
+def summarize(events: list[dict], since: float | None = None) -> dict:
     """Communication time, the part hidden behind compute, and stage totals.
 
     A push_pull is in flight from its ``start`` hand-off to its last sum;
     the step only waits for it during ``done``. The overlap is the share of
     in-flight time that the device spent on other work instead of waiting.
 
+    Args:
+      events: the trace events.
+      since: only count spans starting at or after this wall-clock time
+        (seconds since the epoch), e.g. to skip warm-up steps.
+
     Returns:
       ``comm_s`` (total in-flight seconds), ``exposed_s`` (seconds spent
       waiting in ``done``), ``overlap`` (1 - exposed/comm) and, per chunk
       stage, ``<stage>_s`` totals.
     """
+    if since is not None:
+        events = [e for e in events if e.get("ts", 0) >= since * 1e6]
     comm = sum(e["dur"] for e in events if e.get("name") == "in_flight")
     exposed = sum(
         e["dur"]

@@ -35,3 +35,23 @@ def test_trace_of_a_jitted_push_pull(start_servers, tmp_path):
     summary = timeline.summarize(events)
     assert summary["comm_s"] > 0 and 0.0 <= summary["overlap"] <= 1.0
     assert summary["push_s"] > 0 and summary["pull_s"] > 0
+
+
+def test_no_server_traces_and_since(tmp_path):
+    import time
+
+    jaxps.init(trace_dir=str(tmp_path))
+    try:
+        jax.jit(lambda t: jaxps.push_pull(t, name="solo"))(jnp.ones(3))
+        later = time.time()
+        time.sleep(0.01)
+        jax.jit(lambda t: jaxps.push_pull(t, name="solo2"))(jnp.ones(3))
+    finally:
+        jaxps.shutdown()
+    events = timeline.load(str(tmp_path / "jaxps-rank0.trace.json"))
+    assert sum(e["name"] == "in_flight" for e in events) == 2
+    assert abs(events[1]["ts"] / 1e6 - later) < 60  # wall-clock stamps
+    summary = timeline.summarize(events, since=later)
+    everything = timeline.summarize(events)
+    assert summary["comm_s"] <= everything["comm_s"]
+    assert summary["exposed_s"] <= everything["exposed_s"]
