@@ -66,9 +66,13 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 2000),
-        ("grpc.keepalive_timeout_ms", 2000),
-        ("grpc.http2.ping_timeout_ms", 2000),
+        # Keepalive finds peers that vanish without closing the connection.
+        # Not tighter: on a busy slow link a ping's answer queues behind
+        # megabytes of payload, and a healthy connection would be dropped.
+        # Frozen peers are found sooner by every call's deadline.
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.http2.ping_timeout_ms", 20_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.min_ping_interval_without_data_ms", 1000),

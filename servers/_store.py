@@ -62,6 +62,9 @@ class Key:
     length: int
     engine: int
     done: int = -1  # rounds <= done are finished and freed
+    # the sum of round `done`, kept until the next round is freed, so that
+    # a pull whose reply was lost can be retried after the round was freed
+    last: tuple[int, bytes] | None = None  # (round, encoded sum)
     rounds: dict[int, Round] = dataclasses.field(default_factory=dict)
     # async mode: the held value and each rank's last pushed round
     value: np.ndarray | None = None
@@ -281,6 +284,8 @@ class Store:
                 "never seen a push of it (was it restarted?).",
             )
         self._check_schema(k, dtype_code, length)
+        if k.last is not None and k.last[0] == round:
+            return None, k.last[1]  # a retried pull of the round just freed
         rnd = self._round(k, round, now)
         if rnd.error is not None:
             raise rnd.error
@@ -308,7 +313,8 @@ class Store:
         rnd.pulled.add(rank)
         if len(rnd.pulled) == self.num_workers:
             del k.rounds[rnd.number]
-            k.done = max(k.done, rnd.number)
+            if rnd.number > k.done:
+                k.done, k.last = rnd.number, (rnd.number, result)
         return result
 
     def deadline(self, rnd: Round) -> float:

@@ -203,3 +203,34 @@ def test_deterministic_mode_is_bitwise_independent_of_arrival():
             push(store, 1, 0, rank, parts[rank])
         results.add(pull(store, 1, 0, 0, parts[0]).tobytes())
     assert len(results) == 1
+
+
+def test_pull_retried_after_the_round_was_freed():
+    store = Store(2)
+    x = np.ones(3, np.float32)
+    push(store, 1, 0, 0, x)
+    push(store, 1, 0, 1, x)
+    pull(store, 1, 0, 0, x)
+    pull(store, 1, 0, 1, x)  # the last pull frees the round ...
+    assert store.pending_rounds() == 0
+    # ... but its reply may be lost: the retry gets the same sum
+    np.testing.assert_array_equal(pull(store, 1, 0, 1, x), 2 * x)
+    push(store, 1, 1, 0, x)
+    push(store, 1, 1, 1, 3 * x)
+    pull(store, 1, 1, 0, x)
+    pull(store, 1, 1, 1, x)
+    with pytest.raises(StoreError, match="from the past"):
+        pull(store, 1, 0, 0, x)  # only the latest round is kept
+
+
+def test_failed_round_never_answers_an_older_sum():
+    store = Store(2, round_timeout=1.0)
+    x = np.ones(3, np.float32)
+    for rank in (0, 1):
+        push(store, 1, 0, rank, x)
+    for rank in (0, 1):
+        pull(store, 1, 0, rank, x)
+    push(store, 1, 1, 0, x)  # rank 1 never pushes round 1
+    store.expire(now=1e12)
+    with pytest.raises(StoreError, match="timed out"):
+        pull(store, 1, 1, 0, x)
