@@ -412,10 +412,25 @@ def stop_all() -> None:
 
 
 def wait_all(procs: Sequence[Proc], deadline: float) -> None:
-    """Waits for every child to exit 0 by `deadline`, else raises."""
-    for proc in procs:
-        code = proc.wait(deadline)
-        if code != 0:
-            raise RuntimeError(
-                f"{proc.name} exited with {code}:\n{proc.stderr_tail()}"
+    """Waits for every child to exit 0 by `deadline` (monotonic).
+
+    Raises as soon as one exits non-zero (the first to fail is usually the
+    cause; the others would only wait for it), or at the deadline.
+    """
+    running = list(procs)
+    while running:
+        for proc in list(running):
+            code = proc.proc.poll()
+            if code is None:
+                continue
+            running.remove(proc)
+            if code != 0:
+                raise RuntimeError(
+                    f"{proc.name} exited with {code}:\n{proc.stderr_tail()}"
+                )
+        if running and time.monotonic() > deadline:
+            names = ", ".join(p.name for p in running)
+            raise TimeoutError(
+                f"{names} did not finish in time:\n{running[0].stderr_tail()}"
             )
+        time.sleep(0.05)

@@ -25,8 +25,11 @@ jaxps mixed mode runs k CPU servers (``python -m jaxps.servers``) in the
 server namespaces and one colocated server in each worker namespace. Every
 timed repetition starts with a barrier (a 4-byte push_pull), its time is the
 slowest worker's, and the table shows the median over ``--repeats`` after
-one warm-up. ``--cleanup`` deletes leftover ``jxb-`` namespaces of a killed
-run (a normal run always deletes its own).
+one warm-up. jaxps uses 256 KiB partitions (``--partition-kib``; its own
+4 MiB default splits 25 MB into 6 chunks, which 4 servers cannot balance).
+``--cleanup`` deletes leftover ``jxb-`` namespaces of a killed run (a normal
+run always deletes its own). Results and their analysis: "Emulated cluster"
+in benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -363,6 +366,7 @@ class Bench:
         finally:
             for proc in workers + servers:
                 proc.stop()
+            _warn_dropped_connections(servers + workers)
         per_worker = results(workers)
         worst, span = slowest(per_worker)
         return {"times": worst, "spans": span, "workers": per_worker}
@@ -389,6 +393,16 @@ class Bench:
         per_worker = results(workers)
         worst, span = slowest(per_worker)
         return {"times": worst, "spans": span, "workers": per_worker}
+
+
+def _warn_dropped_connections(procs: list[Proc]) -> None:
+    """Logs the gRPC connections that keepalive closed during a run."""
+    for proc in procs:
+        with open(proc.err_path, errors="replace") as f:
+            count = sum("ping_timeout" in line for line in f)
+        if count:
+            log(f"  warning: {proc.name} logged {count} connection(s) "
+                "closed by a keepalive ping timeout")  # fmt: skip
 
 
 def plan_link_bytes(n: int, k: int, model_bytes: int, partition: int,
