@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import resource
 import signal
 import socket
 import statistics
@@ -116,6 +117,39 @@ def wait_all(procs: Sequence[Child], timeout: float) -> None:
 
 def median(values: Sequence[float]) -> float:
     return statistics.median(values)
+
+
+class OtherLoad:
+    """Measures how many cores processes other than ours kept busy.
+
+    Busy CPU time of the whole machine (``/proc/stat``) minus the CPU time
+    of this process and of its children that have been waited for, over
+    wall time. Near 0 on a quiet machine; on a 2-core machine 1.0 means that
+    something else took half of it, and the figures of that span are low.
+    """
+
+    def __init__(self):
+        self._start = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float]:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        hz = os.sysconf("SC_CLK_TCK")
+        # user nice system idle iowait irq softirq steal; guest is in user.
+        busy = (sum(ticks[:8]) - ticks[3] - ticks[4]) / hz
+        ours = 0.0
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+            usage = resource.getrusage(who)
+            ours += usage.ru_utime + usage.ru_stime
+        return time.monotonic(), busy, ours
+
+    def cores(self) -> float:
+        """Cores used by other processes since this object was made."""
+        now, busy, ours = self._sample()
+        then, busy0, ours0 = self._start
+        wall = max(now - then, 1e-9)
+        return max(0.0, (busy - busy0) - (ours - ours0)) / wall
 
 
 def load_average() -> str:

@@ -456,6 +456,10 @@ def print_results(args, results: dict[str, dict]) -> None:
         version = (results.get(backend) or {}).get("version")
         if version:
             print(f"{COLUMNS[backend]}: {version}")
+    other = [f"{COLUMNS[b]} {results[b]['other_cores']:.2f}"
+             for b in BACKENDS if b in results]
+    print("cores used by other processes meanwhile (0 = undisturbed): "
+          + ", ".join(other))
     torch_res = results.get("torch") or {}
     if "skipped" in torch_res:
         log(f"torch-gloo: {TORCH_SKIPPED}: {torch_res['skipped']}")
@@ -522,9 +526,10 @@ def main(argv=None) -> int:
     for backend in args.backends:
         log(f"running {COLUMNS[backend]} ...")
         t0 = time.monotonic()
+        other = _common.OtherLoad()
         results[backend] = run_backend(args, backend, log_dir)
-        log(f"  {COLUMNS[backend]} done in {time.monotonic() - t0:.1f} s, "
-            f"load average {_common.load_average()}")
+        results[backend]["other_cores"] = other.cores()
+        log(f"  {COLUMNS[backend]} done in {time.monotonic() - t0:.1f} s")
     log(f"all backends done in {time.monotonic() - start:.1f} s")
     print_results(args, results)
     if args.profile:

@@ -23,7 +23,7 @@ import sys
 import time
 
 import numpy as np
-from _common import MB, format_table, load_average, log
+from _common import MB, OtherLoad, format_table, load_average, log
 
 from jaxps.servers import Store, _wire
 
@@ -156,6 +156,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     log(f"load average before: {load_average()} (over ~0.5: something "
         "else is running and the figures will be low)")
+    other = OtherLoad()
     rows = []
     for size_mb in args.chunk_mb:
         nbytes = size_mb * MB
@@ -164,7 +165,8 @@ def main(argv=None) -> int:
         ref = bench_numpy(args.workers, nbytes, args.rounds, args.repeats)
         rows.append([str(size_mb), f"{store:.2f}", f"{ref:.2f}",
                      f"{store / ref:.2f}"])
-    log(f"load average after: {load_average()}")
+    print(f"cores used by other processes meanwhile (0 = undisturbed): "
+          f"{other.cores():.2f}")
     print(format_table(["chunk (MiB)", "Store GB/s", "np.add out= GB/s",
                         "Store/numpy"], rows))
     if args.breakdown:
