@@ -50,10 +50,12 @@ class Child:
                 env=full_env, cwd=log_dir, start_new_session=True)
 
     def stdout(self) -> str:
+        """Everything the child printed on stdout so far."""
         with open(self.out_path, errors="replace") as f:
             return f.read()
 
     def stderr_tail(self, lines: int = 15) -> str:
+        """The last `lines` lines the child printed on stderr."""
         with open(self.err_path, errors="replace") as f:
             return "".join(f.readlines()[-lines:])
 
@@ -85,6 +87,7 @@ class Child:
         self._signal(signal.SIGKILL)
 
     def _signal(self, sig: int) -> None:
+        """Sends `sig` to the child's process group, if it still exists."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, sig)
 
@@ -116,6 +119,7 @@ def wait_all(procs: Sequence[Child], timeout: float) -> None:
 
 
 def median(values: Sequence[float]) -> float:
+    """The median of `values`."""
     return statistics.median(values)
 
 
@@ -133,6 +137,7 @@ class OtherLoad:
 
     @staticmethod
     def _sample() -> tuple[float, float, float]:
+        """(monotonic time, machine busy CPU s, our CPU s)."""
         with open("/proc/stat") as f:
             ticks = [int(x) for x in f.readline().split()[1:]]
         hz = os.sysconf("SC_CLK_TCK")

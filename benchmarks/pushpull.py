@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -250,6 +251,7 @@ def tcp_worker(args) -> dict:
 
 
 def _tcp_connect(rank: int, port: int) -> socket.socket:
+    """Rank 1 accepts one connection on `port`; rank 0 connects to it."""
     if rank == 1:
         with socket.create_server((LOOPBACK, port)) as server:
             server.settimeout(60)
@@ -267,6 +269,7 @@ def _tcp_connect(rank: int, port: int) -> socket.socket:
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fills `view` from `sock`."""
     got = 0
     while got < len(view):
         n = sock.recv_into(view[got:])
@@ -276,6 +279,7 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
 
 
 def _echo(sock: socket.socket, nbytes: int, buf: memoryview) -> None:
+    """Sends back each piece of `nbytes` incoming bytes as it arrives."""
     remaining = nbytes
     while remaining:
         n = sock.recv_into(buf[:min(remaining, len(buf))])
@@ -342,6 +346,7 @@ def run_backend(args, backend: str, log_dir: str) -> dict:
         if args.profile and backend == "jaxps":
             spies = [attach_py_spy(c, args.profile, log_dir, args.native)
                      for c in started]
+            started.extend(spies)  # stopped on failure too
         _common.wait_all(workers, args.timeout)
         results = collect(workers)
         if spies:
@@ -425,6 +430,7 @@ def print_profiles(out_dir: str, count: int = 10) -> None:
 
 
 def fmt(value: float | None) -> str:
+    """Formats a GB/s figure."""
     return "n/a" if value is None else f"{value:.3f}"
 
 
@@ -466,6 +472,7 @@ def print_results(args, results: dict[str, dict]) -> None:
 
 
 def parse_args(argv=None):
+    """Parses and checks the command line (the parent's or a worker's)."""
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -523,13 +530,17 @@ def main(argv=None) -> int:
         "something else is running and the figures will be low)")
     results = {}
     start = time.monotonic()
-    for backend in args.backends:
-        log(f"running {COLUMNS[backend]} ...")
-        t0 = time.monotonic()
-        other = _common.OtherLoad()
-        results[backend] = run_backend(args, backend, log_dir)
-        results[backend]["other_cores"] = other.cores()
-        log(f"  {COLUMNS[backend]} done in {time.monotonic() - t0:.1f} s")
+    try:
+        for backend in args.backends:
+            log(f"running {COLUMNS[backend]} ...")
+            t0 = time.monotonic()
+            other = _common.OtherLoad()
+            results[backend] = run_backend(args, backend, log_dir)
+            results[backend]["other_cores"] = other.cores()
+            log(f"  {COLUMNS[backend]} done in {time.monotonic() - t0:.1f} s")
+    except BaseException:
+        log(f"the children's logs are in {log_dir}")
+        raise
     log(f"all backends done in {time.monotonic() - start:.1f} s")
     print_results(args, results)
     if args.profile:
@@ -537,9 +548,7 @@ def main(argv=None) -> int:
     if args.keep_logs:
         log(f"logs in {log_dir}")
     else:
-        for name in os.listdir(log_dir):
-            os.remove(os.path.join(log_dir, name))
-        os.rmdir(log_dir)
+        shutil.rmtree(log_dir)
     return 0
 
 

@@ -127,6 +127,7 @@ def breakdown(nbytes: int, rounds: int, repeats: int) -> list[list[str]]:
 
 
 def parse_args(argv=None):
+    """Parses and checks the command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--chunk-mb", default="4",
                    type=lambda s: [int(x) for x in s.split(",") if x],

@@ -116,7 +116,10 @@ def test_soak_memory_and_threads_stay_flat(start_servers, tmp_path):
             f"threads {w_threads} -> {e_threads}, fds {w_fds} -> {e_fds}"
         )
         assert e_rss - w_rss <= 10 * MIB, report[-1]
-        assert e_threads == w_threads and e_fds == w_fds, report[-1]
+        # grpc starts a helper thread per channel while futures are pending
+        # and ends it when idle, so a thread or two may come and go; a leak
+        # would grow with the 9,000 rounds in between.
+        assert e_threads <= w_threads + 2 and e_fds == w_fds, report[-1]
     for i, ((w_rss, w_threads), (e_rss, e_threads)) in enumerate(
         zip(lines["servers_warm"], servers_end)
     ):
