@@ -8,4 +8,6 @@ done that waits for the sums.
 from jaxps.ops._primitive import push_pull_p as push_pull_p
 from jaxps.ops._push_pull import push_pull as push_pull
 
-__all__ = ["push_pull", "push_pull_p"]
+# push_pull_p (the Primitive object) is importable for transformation
+# authors, but not part of the documented surface.
+__all__ = ["push_pull"]
