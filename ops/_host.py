@@ -61,9 +61,3 @@ def done(ticket) -> tuple[np.ndarray, ...]:
     finally:
         if trace is not None:
             trace.span("done", "device", began, timeline.now())
-
-
-def pending() -> int:
-    """Number of started push_pulls whose result was not taken yet."""
-    with _lock:
-        return len(_tickets)

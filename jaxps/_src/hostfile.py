@@ -68,15 +68,10 @@ def parse_hostfile(text: str, source: str = "hostfile") -> Hosts:
     return Hosts(tuple(servers), tuple(workers))
 
 
-def _ssh(host: str, remote: list[str]) -> list[str]:
-    return [
-        "ssh",
-        "-o",
-        "BatchMode=yes",
-        "-tt",  # the remote side ends when the ssh client is stopped
-        host,
-        " ".join(shlex.quote(a) for a in remote),
-    ]
+def _ssh(host: str, remote: str) -> list[str]:
+    """ssh argv running the shell command line `remote` on `host`."""
+    # -tt: the remote side ends when the ssh client is stopped
+    return ["ssh", "-o", "BatchMode=yes", "-tt", host, remote]
 
 
 def server_command(
@@ -99,7 +94,7 @@ def server_command(
         str(timeout),
         *flags,
     ]
-    return _ssh(host, remote)
+    return _ssh(host, shlex.join(remote))
 
 
 def worker_command(
@@ -112,7 +107,7 @@ def worker_command(
     quoted = " ".join(
         a if a == "&&" else shlex.quote(a) for a in remote
     )  # fmt: skip
-    return ["ssh", "-o", "BatchMode=yes", "-tt", host, quoted]
+    return _ssh(host, quoted)
 
 
 def ssh_commands(

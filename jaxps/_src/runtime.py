@@ -58,7 +58,6 @@ class Handle:
         self._lock = threading.Lock()
         self._event = threading.Event()
         self._error: BaseException | None = None
-        self._missing: dict[str, set[int]] = {}
         if pending == 0:
             self._finish()
 
