@@ -61,6 +61,7 @@ def push_pull(
         return tree
     runtime = state.runtime()  # fail at trace time if not initialized
     names = leaf_names(tree, name)
+    runtime.check_mode(names)  # at trace time, not inside a callback
     if priorities is None:
         priorities = [-i for i in range(len(leaves))]
     priorities = tuple(int(p) for p in priorities)

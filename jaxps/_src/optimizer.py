@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxps._src import errors
 from jaxps._src.compression import Compression
+from jaxps._src.runtime import ASYNC_NAMES
 from jaxps.ops import push_pull
 
 
@@ -127,12 +127,6 @@ def broadcast(tree, root: int = 0, *, name: str = "broadcast"):
     """
     from jaxps._src import state
 
-    if getattr(state.runtime(), "async_servers", False):
-        raise errors.JaxpsError(
-            "broadcast needs synchronous servers; these run with --async, "
-            "where AsyncDistributedOptimizer.init already makes the first "
-            "worker's parameters the servers' and every update returns them."
-        )
     size = state.size()
     if not 0 <= root < size:
         raise ValueError(
@@ -172,6 +166,8 @@ def AsyncDistributedOptimizer(  # noqa: N802 - mirrors DistributedOptimizer
     Returns:
       An `optax.GradientTransformation`.
     """
+
+    ASYNC_NAMES.add(name)
 
     def init_fn(params):
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):

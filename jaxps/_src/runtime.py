@@ -264,6 +264,10 @@ class _Lane:
         self.client.close()
 
 
+#: push_pull names that expect async servers (AsyncDistributedOptimizer's).
+ASYNC_NAMES: set[str] = set()
+
+
 def pull_deadline(timeout: float) -> float:
     """Client deadline of a pull: past the server's round timeout, so the
     server's message naming the missing ranks arrives first."""
@@ -358,6 +362,29 @@ class Runtime:
             _Lane(c, credit, senders_per_server, self.timeline) for c in clients
         ]
 
+    def check_mode(self, names: Sequence[str]) -> None:
+        """Refuses sums from async servers, and parameters from sync ones.
+
+        Async servers hold parameters instead of summing: a push_pull that
+        expects a sum would silently get the parameters back.
+        """
+        for name in names:
+            wants_async = any(name.startswith(a) for a in ASYNC_NAMES)
+            if wants_async != self.async_servers:
+                raise errors.JaxpsError(
+                    f"push_pull of {name!r} "
+                    + (
+                        "needs synchronous servers; these run with --async "
+                        "and hold parameters instead of summing (only "
+                        "AsyncDistributedOptimizer talks to them; its init "
+                        "already makes the first worker's parameters the "
+                        "common start, so broadcast is not needed)."
+                        if self.async_servers
+                        else "belongs to AsyncDistributedOptimizer, which "
+                        "needs servers started with --async."
+                    )
+                )
+
     @property
     def rank(self) -> int:
         return self.config.worker_rank
@@ -388,6 +415,7 @@ class Runtime:
             )
         if len(set(names)) != len(names):
             raise ValueError(f"tensor names must be unique, got {names}.")
+        self.check_mode(names)
         flats = []
         for name, array in zip(names, arrays):
             array = np.asarray(array)

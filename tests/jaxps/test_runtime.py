@@ -253,3 +253,25 @@ def test_priorities_let_the_first_layer_overtake_queued_layers(start_servers):
     # jumps ahead of everything still waiting for credit
     assert order.index(0) <= 2, order
     assert order[-1] != 0, order
+
+
+@pytest.mark.timeout(60)
+def test_sums_and_async_servers_do_not_mix(start_servers, monkeypatch):
+    from jaxps._src import runtime as runtime_module
+
+    monkeypatch.setattr(runtime_module, "ASYNC_NAMES", {"params"})
+    (async_server,) = start_servers(1, 1, "--async")
+    (sync_server,) = start_servers(1, 1)
+    rt = Runtime(Config(servers=(async_server.address,)))
+    try:
+        with pytest.raises(errors.JaxpsError, match="needs synchronous"):
+            rt.push_pull("grads", np.ones(3, np.float32))
+        rt.push_pull("params/w", np.ones(3, np.float32))  # async: fine
+    finally:
+        rt.close()
+    rt = Runtime(Config(servers=(sync_server.address,)))
+    try:
+        with pytest.raises(errors.JaxpsError, match="needs servers started"):
+            rt.push_pull("params/w", np.ones(3, np.float32))
+    finally:
+        rt.close()
