@@ -8,7 +8,10 @@ The Store is driven as the server drives it, without gRPC: for each round
 every rank's ``begin_push`` + ``ticket.run()`` + ``finish_push``, then every
 rank's ``pull``, which frees the round. Its throughput is the payload bytes
 that went into the sums per second (``Store.bytes_summed`` / time, 10^9
-bytes). The reference is ``np.add(a, b, out=a)`` on arrays of the chunk's
+bytes). "Store" pulls the sum array (``raw=True``, what a pull into shared
+memory uses); "Store + reply" also encodes the gRPC reply once per round
+(a copy of the sum), what a pull over gRPC uses. The reference is
+``np.add(a, b, out=a)`` on arrays of the chunk's
 size: with N ranks a round needs N - 1 such adds, so numpy's figure is the
 same N * chunk bytes per N - 1 adds. Both run on one thread, in one process,
 in the same run; each figure is the median of ``--repeats`` timed blocks of
@@ -37,7 +40,7 @@ def contributions(num_workers: int, nbytes: int) -> list[bytes]:
 
 
 def store_rounds(store: Store, payloads: list[bytes], first: int,
-                 rounds: int) -> bytes:
+                 rounds: int, raw: bool) -> bytes:
     """Runs `rounds` full rounds of key 1 through `store`; returns a sum."""
     code = _wire.dtype_code(np.float32)
     length = len(payloads[0]) // 4
@@ -51,25 +54,25 @@ def store_rounds(store: Store, payloads: list[bytes], first: int,
             store.finish_push(ticket)
         for rank in range(len(payloads)):
             _, result = store.pull(key=1, round=rnd, rank=rank,
-                                   dtype_code=code, length=length)
+                                   dtype_code=code, length=length, raw=raw)
             assert result is not None, f"round {rnd} incomplete"
-    return result
+    return bytes(result)
 
 
 def bench_store(num_workers: int, nbytes: int, rounds: int, repeats: int,
-                engine_threads: int) -> float:
+                engine_threads: int, raw: bool) -> float:
     """Median GB/s of payload bytes summed by a Store; checks one sum."""
     payloads = contributions(num_workers, nbytes)
     store = Store(num_workers, engine_threads=engine_threads)
     expected = np.sum([np.frombuffer(p, np.float32) for p in payloads],
                       axis=0, dtype=np.float32)
-    result = store_rounds(store, payloads, 0, rounds)  # warm-up
+    result = store_rounds(store, payloads, 0, rounds, raw)  # warm-up
     got = np.frombuffer(result, np.float32)
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
     times = []
     for block in range(1, repeats + 1):
         start = time.perf_counter()
-        store_rounds(store, payloads, block * rounds, rounds)
+        store_rounds(store, payloads, block * rounds, rounds, raw)
         times.append(time.perf_counter() - start)
     assert store.pending_rounds() == 0, "the store kept finished rounds"
     return num_workers * nbytes * rounds / statistics.median(times) / 1e9
@@ -161,15 +164,19 @@ def main(argv=None) -> int:
     rows = []
     for size_mb in args.chunk_mb:
         nbytes = size_mb * MB
-        store = bench_store(args.workers, nbytes, args.rounds, args.repeats,
-                            args.engine_threads)
+        store, reply = (
+            bench_store(args.workers, nbytes, args.rounds, args.repeats,
+                        args.engine_threads, raw)
+            for raw in (True, False))
         ref = bench_numpy(args.workers, nbytes, args.rounds, args.repeats)
-        rows.append([str(size_mb), f"{store:.2f}", f"{ref:.2f}",
-                     f"{store / ref:.2f}"])
+        rows.append([str(size_mb), f"{store:.2f}", f"{reply:.2f}",
+                     f"{ref:.2f}", f"{store / ref:.2f}", f"{reply / ref:.2f}"])
     print(f"cores used by other processes meanwhile (0 = undisturbed): "
           f"{other.cores():.2f}")
-    print(format_table(["chunk (MiB)", "Store GB/s", "np.add out= GB/s",
-                        "Store/numpy"], rows))
+    print(f"{args.workers} ranks")
+    print(format_table(["chunk (MiB)", "Store GB/s", "Store + reply GB/s",
+                        "np.add out= GB/s", "Store/numpy",
+                        "(Store + reply)/numpy"], rows))
     if args.breakdown:
         for size_mb in args.chunk_mb:
             print(f"\nnumpy steps of one 2-rank round, {size_mb} MiB:")

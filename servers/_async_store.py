@@ -68,9 +68,14 @@ class AsyncStore(Store):
         checksum: int,
         name: str = "",
         now: float | None = None,
+        borrowed: bool = False,
     ):
-        """Validates a push; returns its work, or None for a repeat."""
-        del checksum, now
+        """Validates a push; returns its work, or None for a repeat.
+
+        Payloads are always copied or added at once, so `borrowed` changes
+        nothing here.
+        """
+        del checksum, now, borrowed
         k, dtype = self._validate_push(
             key, round, rank, dtype_code, length, payload, name
         )
@@ -87,8 +92,11 @@ class AsyncStore(Store):
     def finish_push(self, ticket) -> None:
         self.rounds_completed += 1
 
-    def pull(self, *, key, round, rank, dtype_code, length, now=None):
-        """Returns the current value at once: (None, encoded value)."""
+    def pull(
+        self, *, key, round, rank, dtype_code, length, now=None, raw=False
+    ):
+        """Returns the current value at once: (None, encoded value), or with
+        `raw` (None, the value array)."""
         del round, now
         self._check_rank(rank)
         k = self._keys.get(key)
@@ -98,9 +106,10 @@ class AsyncStore(Store):
                 f"pull of key {key} before its initial value was pushed.",
             )
         self._check_schema(k, dtype_code, length)
-        return None, self.encode(_cast(k.value, _wire.code_dtype(k.dtype_code)))
+        value = _cast(k.value, _wire.code_dtype(k.dtype_code))
+        return None, value if raw else self.encode(value)
 
-    def collect(self, key: int, rnd: Round, rank: int) -> bytes:
+    def collect(self, key: int, rnd: Round, rank: int, raw: bool = False):
         raise AssertionError("async pulls never wait")  # pragma: no cover
 
     def expire(self, now: float | None = None) -> int:

@@ -3,7 +3,8 @@
 `PushRequest` and `PullReply` are encoded exactly as protoc's code would
 encode them (so any protobuf client can talk to a server), but the payload is
 copied once, straight from the numpy array into the message, and decoded as a
-zero-copy memoryview of the received bytes.
+zero-copy memoryview of the received bytes. A payload in shared memory
+travels as a `ShmSlot` instead.
 """
 
 from __future__ import annotations
@@ -96,21 +97,29 @@ def _message(number: int, value: bytes) -> bytes:
     return _varint(number << 3 | _LEN) + _varint(len(value)) + value
 
 
-def encode_push(header: pb.Header, payload, checksum: int) -> bytes:
-    """Encodes a PushRequest; `payload` is any C-contiguous buffer."""
-    view = _bytes_view(payload)
+def encode_push(
+    header: pb.Header, payload, checksum: int, slot: pb.ShmSlot | None = None
+) -> bytes:
+    """Encodes a PushRequest; `payload` is any C-contiguous buffer.
+
+    With a `slot`, the payload is already there and is not sent.
+    """
     prefix = (
         _message(1, header.SerializeToString())
         + _varint(3 << 3 | _I32)
         + struct.pack("<I", checksum)
-        + _varint(2 << 3 | _LEN)
-        + _varint(len(view))
     )
+    if slot is not None:
+        return prefix + _message(4, slot.SerializeToString())
+    view = _bytes_view(payload)
+    prefix += _varint(2 << 3 | _LEN) + _varint(len(view))
     return b"".join((prefix, view))
 
 
-def decode_push(data) -> tuple[pb.Header, memoryview, int]:
-    """Decodes a PushRequest: (header, payload view, checksum)."""
+def decode_push(
+    data,
+) -> tuple[pb.Header, memoryview, int, pb.ShmSlot | None]:
+    """Decodes a PushRequest: (header, payload view, checksum, slot)."""
     fields = _fields(data)
     header = _header(fields.get(1))
     payload = fields.get(2, memoryview(b""))
@@ -119,30 +128,40 @@ def decode_push(data) -> tuple[pb.Header, memoryview, int]:
     checksum = fields.get(3, 0)
     if not isinstance(checksum, int):
         raise DecodeError("checksum is not a fixed32")
-    return header, payload, checksum
+    slot = fields.get(4)
+    if slot is not None:
+        if not isinstance(slot, memoryview):
+            raise DecodeError("slot is not a message")
+        try:
+            slot = pb.ShmSlot.FromString(bytes(slot))
+        except Exception as err:  # protobuf's DecodeError
+            raise DecodeError(f"slot: {err}") from None
+    return header, payload, checksum, slot
 
 
-def encode_pull_reply(incarnation: str, payload) -> bytes:
+def encode_pull_reply(incarnation: str, payload, in_slot=False) -> bytes:
     """Encodes a PullReply; `payload` is any C-contiguous buffer."""
+    prefix = _message(1, incarnation.encode())
+    if in_slot:
+        return prefix + _varint(3 << 3 | _VARINT) + _varint(1)
     view = _bytes_view(payload)
-    prefix = (
-        _message(1, incarnation.encode())
-        + _varint(2 << 3 | _LEN)
-        + _varint(len(view))
-    )
+    prefix += _varint(2 << 3 | _LEN) + _varint(len(view))
     return b"".join((prefix, view))
 
 
-def decode_pull_reply(data) -> tuple[str, memoryview]:
-    """Decodes a PullReply: (incarnation, payload view)."""
+def decode_pull_reply(data) -> tuple[str, memoryview, bool]:
+    """Decodes a PullReply: (incarnation, payload view, in_slot)."""
     fields = _fields(data)
     incarnation = fields.get(1, memoryview(b""))
     payload = fields.get(2, memoryview(b""))
-    if not isinstance(incarnation, memoryview) or not isinstance(
-        payload, memoryview
+    in_slot = fields.get(3, 0)
+    if (
+        not isinstance(incarnation, memoryview)
+        or not isinstance(payload, memoryview)
+        or not isinstance(in_slot, int)
     ):
         raise DecodeError("PullReply fields have the wrong wire type")
-    return bytes(incarnation).decode(errors="replace"), payload
+    return bytes(incarnation).decode(errors="replace"), payload, bool(in_slot)
 
 
 def _header(raw) -> pb.Header:

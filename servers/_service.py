@@ -9,8 +9,9 @@ import secrets
 import time
 
 import grpc
+import numpy as np
 
-from . import _async_store, _codec, _store, _wire
+from . import _async_store, _codec, _shm, _store, _wire
 from . import jaxps_pb2 as pb
 
 log = logging.getLogger("jaxps.server")
@@ -23,6 +24,7 @@ _CODES = {
     "ABORTED": grpc.StatusCode.ABORTED,
     "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION,
     "DEADLINE_EXCEEDED": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "RESOURCE_EXHAUSTED": grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
@@ -77,6 +79,11 @@ class SummationServicer:
             )
             for i in range(max(1, engine_threads))
         ]
+        #: shared-memory segments of workers on this host
+        self.segments = _shm.Segments()
+        self._in_slot = _codec.encode_pull_reply(
+            self.incarnation, None, in_slot=True
+        )
 
     def _encode_reply(self, total) -> bytes:
         return _codec.encode_pull_reply(self.incarnation, total)
@@ -94,6 +101,14 @@ class SummationServicer:
             ),
             # Pull replies are encoded once per round by the store.
             "Pull": grpc.unary_unary_rpc_method_handler(self.Pull),
+            "Attach": grpc.unary_unary_rpc_method_handler(
+                self.Attach,
+                response_serializer=pb.AttachReply.SerializeToString,
+            ),
+            "Detach": grpc.unary_unary_rpc_method_handler(
+                self.Detach,
+                response_serializer=pb.DetachReply.SerializeToString,
+            ),
         }
         return grpc.method_handlers_generic_handler(SERVICE, methods)
 
@@ -151,12 +166,14 @@ class SummationServicer:
     async def Push(self, request: bytes, context):
         try:
             try:
-                h, payload, checksum = _codec.decode_push(request)
+                h, payload, checksum, slot = _codec.decode_push(request)
             except _codec.DecodeError as err:
                 raise _store.StoreError(
                     "INVALID_ARGUMENT", f"malformed PushRequest: {err}"
                 ) from None
             self._check_header(h)
+            if slot is not None:
+                payload = self._slot(h, slot)
             ticket = self.store.begin_push(
                 key=h.key,
                 round=h.round,
@@ -166,6 +183,7 @@ class SummationServicer:
                 payload=payload,
                 checksum=checksum,
                 name=h.name,
+                borrowed=slot is not None,
             )
             if ticket is not None:
                 loop = asyncio.get_running_loop()
@@ -180,22 +198,63 @@ class SummationServicer:
     async def Pull(self, request: bytes, context) -> bytes:
         store = self.store
         try:
-            h = _decode(pb.PullRequest, request).header
+            request = _decode(pb.PullRequest, request)
+            h = request.header
             self._check_header(h)
+            slot = request.slot if request.HasField("slot") else None
+            target = None if slot is None else self._slot(h, slot)
             rnd, result = store.pull(
                 key=h.key,
                 round=h.round,
                 rank=h.rank,
                 dtype_code=h.dtype,
                 length=h.length,
+                raw=target is not None,
             )
             if result is None:
                 await self._wait(rnd, context)
                 store.fail_if_late(h.key, rnd, time.monotonic())
-                result = store.collect(h.key, rnd, h.rank)
+                result = store.collect(
+                    h.key, rnd, h.rank, raw=target is not None
+                )
+            if target is not None:
+                out = np.frombuffer(target, result.dtype, result.size)
+                np.copyto(out, result)
+                result = self._in_slot
         except _store.StoreError as err:
             await self._abort(context, err)
         return result  # an encoded PullReply
+
+    def _slot(self, h: pb.Header, slot: pb.ShmSlot) -> memoryview:
+        """The bytes of a chunk in a worker's shared-memory slot."""
+        try:
+            itemsize = _wire.code_dtype(h.dtype).itemsize
+        except KeyError:
+            itemsize = 0  # the store names the bad dtype
+        return self.segments.view(
+            h.rank, slot.segment, slot.offset, h.length * itemsize
+        )
+
+    async def Attach(self, request: bytes, context):
+        try:
+            request = _decode(pb.AttachRequest, request)
+            self._check_header(request.header)
+            self.store._check_rank(request.header.rank)
+            segment = self.segments.attach(
+                request.header.rank, request.name, request.size, request.token
+            )
+        except _store.StoreError as err:
+            await self._abort(context, err)
+        return pb.AttachReply(incarnation=self.incarnation, segment=segment)
+
+    async def Detach(self, request: bytes, context):
+        try:
+            request = _decode(pb.DetachRequest, request)
+            self._check_header(request.header)
+            self.segments.detach(request.header.rank, request.segments)
+        except _store.StoreError as err:
+            await self._abort(context, err)
+        return pb.DetachReply(incarnation=self.incarnation)
 
     async def _wait(self, rnd: _store.Round, context) -> None:
         event = asyncio.Event()
@@ -220,3 +279,4 @@ class SummationServicer:
     def close(self) -> None:
         for engine in self._engines:
             engine.shutdown(wait=False, cancel_futures=True)
+        self.segments.close()

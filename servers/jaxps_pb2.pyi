@@ -1,7 +1,8 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -69,15 +70,59 @@ class HelloReply(_message.Message):
     async_mode: bool
     def __init__(self, version: _Optional[int] = ..., incarnation: _Optional[str] = ..., num_workers: _Optional[int] = ..., job_id: _Optional[str] = ..., async_mode: _Optional[bool] = ...) -> None: ...
 
+class ShmSlot(_message.Message):
+    __slots__ = ("segment", "offset")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    segment: int
+    offset: int
+    def __init__(self, segment: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("header", "name", "size", "token")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    header: Header
+    name: str
+    size: int
+    token: bytes
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., name: _Optional[str] = ..., size: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+
+class AttachReply(_message.Message):
+    __slots__ = ("incarnation", "segment")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    segment: int
+    def __init__(self, incarnation: _Optional[str] = ..., segment: _Optional[int] = ...) -> None: ...
+
+class DetachRequest(_message.Message):
+    __slots__ = ("header", "segments")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    header: Header
+    segments: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., segments: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DetachReply(_message.Message):
+    __slots__ = ("incarnation",)
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    def __init__(self, incarnation: _Optional[str] = ...) -> None: ...
+
 class PushRequest(_message.Message):
-    __slots__ = ("header", "payload", "checksum")
+    __slots__ = ("header", "payload", "checksum", "slot")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
     header: Header
     payload: bytes
     checksum: int
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
+    slot: ShmSlot
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., payload: _Optional[bytes] = ..., checksum: _Optional[int] = ..., slot: _Optional[_Union[ShmSlot, _Mapping]] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("incarnation",)
@@ -86,15 +131,19 @@ class PushReply(_message.Message):
     def __init__(self, incarnation: _Optional[str] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("header",)
+    __slots__ = ("header", "slot")
     HEADER_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
     header: Header
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ...) -> None: ...
+    slot: ShmSlot
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., slot: _Optional[_Union[ShmSlot, _Mapping]] = ...) -> None: ...
 
 class PullReply(_message.Message):
-    __slots__ = ("incarnation", "payload")
+    __slots__ = ("incarnation", "payload", "in_slot")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    IN_SLOT_FIELD_NUMBER: _ClassVar[int]
     incarnation: str
     payload: bytes
-    def __init__(self, incarnation: _Optional[str] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    in_slot: bool
+    def __init__(self, incarnation: _Optional[str] = ..., payload: _Optional[bytes] = ..., in_slot: _Optional[bool] = ...) -> None: ...

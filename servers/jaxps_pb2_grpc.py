@@ -49,6 +49,16 @@ class SummationStub:
                 request_serializer=jaxps__pb2.PullRequest.SerializeToString,
                 response_deserializer=jaxps__pb2.PullReply.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_unary(
+                '/jaxps.Summation/Attach',
+                request_serializer=jaxps__pb2.AttachRequest.SerializeToString,
+                response_deserializer=jaxps__pb2.AttachReply.FromString,
+                _registered_method=True)
+        self.Detach = channel.unary_unary(
+                '/jaxps.Summation/Detach',
+                request_serializer=jaxps__pb2.DetachRequest.SerializeToString,
+                response_deserializer=jaxps__pb2.DetachReply.FromString,
+                _registered_method=True)
 
 
 class SummationServicer:
@@ -72,6 +82,20 @@ class SummationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attach(self, request, context):
+        """Maps a worker's shared-memory segment, for payloads of a worker on the
+        server's host (see ShmSlot).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detach(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SummationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +113,16 @@ def add_SummationServicer_to_server(servicer, server):
                     servicer.Pull,
                     request_deserializer=jaxps__pb2.PullRequest.FromString,
                     response_serializer=jaxps__pb2.PullReply.SerializeToString,
+            ),
+            'Attach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=jaxps__pb2.AttachRequest.FromString,
+                    response_serializer=jaxps__pb2.AttachReply.SerializeToString,
+            ),
+            'Detach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detach,
+                    request_deserializer=jaxps__pb2.DetachRequest.FromString,
+                    response_serializer=jaxps__pb2.DetachReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +206,60 @@ class Summation:
             '/jaxps.Summation/Pull',
             jaxps__pb2.PullRequest.SerializeToString,
             jaxps__pb2.PullReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxps.Summation/Attach',
+            jaxps__pb2.AttachRequest.SerializeToString,
+            jaxps__pb2.AttachReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxps.Summation/Detach',
+            jaxps__pb2.DetachRequest.SerializeToString,
+            jaxps__pb2.DetachReply.FromString,
             options,
             channel_credentials,
             insecure,

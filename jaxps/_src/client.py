@@ -98,6 +98,17 @@ class ServerClient:
             method + "Pull",
             request_serializer=pb.PullRequest.SerializeToString,
         )
+        self._attach = self._channel.unary_unary(
+            method + "Attach",
+            request_serializer=pb.AttachRequest.SerializeToString,
+            response_deserializer=pb.AttachReply.FromString,
+        )
+        self._detach = self._channel.unary_unary(
+            method + "Detach",
+            request_serializer=pb.DetachRequest.SerializeToString,
+            response_deserializer=pb.DetachReply.FromString,
+        )
+        self._header: pb.Header | None = None
         self.incarnation: str | None = None
         self.async_mode = False
 
@@ -132,42 +143,83 @@ class ServerClient:
             raise self.translate(err, "hello") from None
         self.incarnation = reply.incarnation
         self.async_mode = reply.async_mode
+        self._header = pb.Header(
+            version=_wire.PROTOCOL_VERSION, job_id=job_id, rank=rank
+        )
         return reply.incarnation
 
+    def attach(self, name: str, size: int, token: bytes) -> int:
+        """Has the server map a shared-memory segment; returns its id."""
+        request = pb.AttachRequest(
+            header=self._header, name=name, size=size, token=token
+        )
+        deadline = time.monotonic() + self.timeout
+        reply = self._call(self._attach, request, deadline, None, "attach")
+        self._check_incarnation(reply.incarnation, self._header)
+        return reply.segment
+
+    def detach(self, segments, timeout: float = 2.0) -> None:
+        """Has the server unmap segments; errors are ignored."""
+        request = pb.DetachRequest(header=self._header, segments=segments)
+        try:
+            self._detach(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError:
+            pass  # the server is gone: its mappings went with it
+
     def push(
-        self, header: pb.Header, payload, checksum: int, deadline: float
+        self,
+        header: pb.Header,
+        payload,
+        checksum: int,
+        deadline: float,
+        slot: pb.ShmSlot | None = None,
     ) -> None:
-        """Pushes one chunk (an array); retries UNAVAILABLE until `deadline`."""
-        request = _codec.encode_push(header, payload, checksum)
+        """Pushes one chunk (an array, or a filled `slot`); retries
+        UNAVAILABLE until `deadline`."""
+        request = _codec.encode_push(header, payload, checksum, slot)
         reply = self._call(self._push, request, deadline, header, "push")
         self._check_incarnation(reply.incarnation, header)
 
-    def pull_future(self, header: pb.Header, deadline: float):
+    def pull_future(
+        self, header: pb.Header, deadline: float, slot=None
+    ):  # fmt: skip
         """Starts a pull; returns a grpc future of the encoded PullReply."""
-        request = pb.PullRequest(header=header)
+        request = pb.PullRequest(header=header, slot=slot)
         return self._pull.future(
             request,
             timeout=max(0.01, deadline - time.monotonic()),
             metadata=self._metadata,
         )
 
-    def pull(self, header: pb.Header, deadline: float) -> memoryview:
+    def pull(
+        self, header: pb.Header, deadline: float, slot=None
+    ) -> memoryview | None:
         """Pulls one chunk's sum, blocking; retries UNAVAILABLE."""
-        request = pb.PullRequest(header=header)
+        request = pb.PullRequest(header=header, slot=slot)
         reply = self._call(self._pull, request, deadline, header, "pull")
-        return self.decode_pull(reply, header)
+        return self.decode_pull(reply, header, slot)
 
-    def decode_pull(self, reply: bytes, header: pb.Header) -> memoryview:
-        """Checks an encoded PullReply; returns its payload."""
+    def decode_pull(
+        self, reply: bytes, header: pb.Header, slot=None
+    ) -> memoryview | None:
+        """Checks an encoded PullReply; returns its payload, or None if the
+        sum is in `slot`."""
         try:
-            incarnation, payload = _codec.decode_pull_reply(reply)
+            incarnation, payload, in_slot = _codec.decode_pull_reply(reply)
         except _codec.DecodeError as err:
             raise errors.JaxpsError(
                 f"server {self.address} sent a malformed reply to the pull "
                 f"of {header.name} round {header.round}: {err}"
             ) from None
         self._check_incarnation(incarnation, header)
-        return payload
+        if in_slot != (slot is not None):
+            raise errors.JaxpsError(
+                f"server {self.address} answered the pull of {header.name} "
+                f"round {header.round} "
+                + ("in shared memory, which was not asked for."
+                   if in_slot else "without the sum in shared memory.")
+            )  # fmt: skip
+        return None if in_slot else payload
 
     def _call(self, method, request, deadline, header, what):
         """Calls `method`, retrying UNAVAILABLE until `deadline`."""

@@ -37,6 +37,7 @@ ENV = {
     "token": "JAXPS_TOKEN",
     "tls_ca": "JAXPS_TLS_CA",
     "trace_dir": "JAXPS_TRACE_DIR",
+    "shm_bytes": "JAXPS_SHM_BYTES",
 }
 
 
@@ -57,8 +58,8 @@ class Config:
       partition_bytes: tensors are cut into chunks of at most this many bytes.
       timeout: seconds any wait may take (connect, a round, a pull) before it
         fails naming what it waited for.
-      credit_bytes: bytes being pushed to each server at once; chunks take
-        credit in priority order.
+      credit_bytes: bytes being pushed at once, to all servers together;
+        chunks take credit in priority order.
       token: shared secret sent with every call (servers run with --token).
       tls_ca: PEM file of the CA that signed the servers' certificates;
         setting it makes the worker connect over TLS.
@@ -66,6 +67,9 @@ class Config:
       tls_key: PEM private key of `tls_cert`.
       trace_dir: write a Chrome/Perfetto trace of every chunk's stages to
         ``<trace_dir>/jaxps-rank<r>.trace.json`` at shutdown.
+      shm_bytes: most shared memory, per server, that carries payloads to
+        and from a server reached on a loopback address (the same host)
+        instead of gRPC messages; 0 sends every payload through gRPC.
     """
 
     servers: tuple[str, ...] = ()
@@ -81,6 +85,7 @@ class Config:
     tls_cert: str | None = None
     tls_key: str | None = None
     trace_dir: str | None = None
+    shm_bytes: int = 64 * DEFAULT_PARTITION_BYTES
 
     def __post_init__(self):
         _check_int("num_workers", self.num_workers, low=1)
@@ -92,6 +97,7 @@ class Config:
             )
         _check_int("partition_bytes", self.partition_bytes, low=8)
         _check_int("credit_bytes", self.credit_bytes, low=1)
+        _check_int("shm_bytes", self.shm_bytes, low=0)
         if not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
             raise errors.ConfigError(
                 f"timeout must be a positive number of seconds. Got "

@@ -6,6 +6,11 @@ priority order. A push that the server acknowledged gives its credit back and
 is followed at once by an asynchronous pull, whose callback writes the sum
 into the output array. Credit never waits on other workers, so workers that
 queue chunks in different orders cannot deadlock each other.
+
+A server on this host (a loopback address) gets payloads through shared
+memory instead (`jaxps._src.shm`): the chunk is copied into a slot, push and
+pull only name the slot, and the server reads the chunk from it and writes
+the sum back into it.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
-from jaxps._src import errors, topology
+from jaxps._src import errors, shm, topology
 from jaxps._src import timeline as _timeline
 from jaxps._src.client import ServerClient, channel_credentials
 from jaxps._src.config import Config
@@ -136,9 +141,15 @@ class _Lane:
     """The queue, credit and sender threads of one server."""
 
     def __init__(
-        self, client: ServerClient, credit: int, senders: int, timeline=None
+        self,
+        client: ServerClient,
+        credit: int,
+        senders: int,
+        timeline=None,
+        pool: shm.SlotPool | None = None,
     ):
         self.client = client
+        self.pool = pool
         self.timeline = timeline
         self.row = f"server {client.address}"
         self.credit = credit
@@ -207,60 +218,81 @@ class _Lane:
 
     def _send(self, chunk: _Chunk) -> None:
         timeout = self.client.timeout
-        h = chunk.header
+        h, source = chunk.header, chunk.source
         pushed = self._span("queue", chunk.queued, chunk)
+        slot = None if self.pool is None else self.pool.take(chunk.nbytes)
+        ref = None
+        if slot is not None:
+            np.copyto(slot.array(source.dtype, source.size), source)
+            ref = slot.ref
         try:
             self.client.push(
                 h,
-                chunk.source,
-                fingerprint(chunk.source),
+                source,
+                fingerprint(source),
                 time.monotonic() + timeout,
+                slot=ref,
             )
             future = self.client.pull_future(
-                h, time.monotonic() + pull_deadline(timeout)
+                h, time.monotonic() + pull_deadline(timeout), slot=ref
             )
         except errors.JaxpsError as err:
+            # the slot is not given back: a late push may still read it
             chunk.handle.fail(err)
             return
         finally:
             self.release(chunk.nbytes)
         pulling = self._span("push", pushed, chunk)
-        future.add_done_callback(lambda f: self._pulled(chunk, f, pulling))
+        future.add_done_callback(
+            lambda f: self._pulled(chunk, f, pulling, slot)
+        )
 
-    def _pulled(self, chunk: _Chunk, future, pulling: float) -> None:
+    def _pulled(self, chunk: _Chunk, future, pulling: float, slot) -> None:
+        h, dest = chunk.header, chunk.dest
+        ref = None if slot is None else slot.ref
         try:
             try:
-                payload = self.client.decode_pull(future.result(), chunk.header)
+                payload = self.client.decode_pull(future.result(), h, ref)
             except grpc.RpcError as err:
-                payload = self._retry_pull(chunk, err)
-            data = np.frombuffer(payload, dtype=chunk.dest.dtype)
-            if data.size != chunk.dest.size:
+                payload = self._retry_pull(chunk, err, ref)
+            if slot is not None:
+                data = slot.array(dest.dtype, dest.size)
+            else:
+                data = np.frombuffer(payload, dtype=dest.dtype)
+            if data.size != dest.size:
                 raise errors.RequestRejectedError(
-                    f"server {self.client.address} answered "
-                    f"{chunk.header.name} round {chunk.header.round} with "
-                    f"{data.size} elements, expected {chunk.dest.size}."
+                    f"server {self.client.address} answered {h.name} round "
+                    f"{h.round} with {data.size} elements, expected "
+                    f"{dest.size}."
                 )
             if chunk.divisor is None:
-                chunk.dest[...] = data
+                dest[...] = data
             else:
-                np.divide(data, chunk.divisor, out=chunk.dest)
+                np.divide(data, chunk.divisor, out=dest)
         except BaseException as err:  # noqa: BLE001 - reported to the waiter
+            # the slot is not given back: a late pull may still write to it
             chunk.handle.fail(err)
         else:
+            if slot is not None:
+                self.pool.give(slot)
             self._span("pull", pulling, chunk)
             chunk.handle.chunk_done()
 
-    def _retry_pull(self, chunk: _Chunk, err: grpc.RpcError) -> memoryview:
+    def _retry_pull(self, chunk: _Chunk, err: grpc.RpcError, ref):
         if err.code() != grpc.StatusCode.UNAVAILABLE:
             raise self.client.translate(err, "pull", chunk.header) from None
         deadline = time.monotonic() + pull_deadline(self.client.timeout)
-        return self.client.pull(chunk.header, deadline)
+        return self.client.pull(chunk.header, deadline, ref)
 
     def stop(self) -> None:
         for _ in self.threads:
             self.queue.put((float("inf"), 0, _STOP))
         for t in self.threads:
             t.join(timeout=5)
+        if self.pool is not None:
+            if self.pool.segment_ids:
+                self.client.detach(self.pool.segment_ids)
+            self.pool.close()
         self.client.close()
 
 
@@ -359,7 +391,14 @@ class Runtime:
                 config.worker_rank,
             )
         self._lanes = [
-            _Lane(c, credit, senders_per_server, self.timeline) for c in clients
+            _Lane(
+                c,
+                credit,
+                senders_per_server,
+                self.timeline,
+                _slot_pool(c, config),
+            )
+            for c in clients
         ]
 
     def check_mode(self, names: Sequence[str]) -> None:
@@ -530,6 +569,14 @@ class Runtime:
         if self.timeline is not None:
             self.timeline.close()
             self.timeline = None
+
+
+def _slot_pool(client: ServerClient, config: Config):
+    """Shared-memory slots for a server on this host, if allowed."""
+    if config.shm_bytes == 0 or not shm.is_local(client.address):
+        return None
+    pool = shm.SlotPool(client.attach, config.partition_bytes, config.shm_bytes)
+    return pool if pool.enabled else None
 
 
 def _check_array(name: str, array: np.ndarray, average: bool) -> None:

@@ -21,6 +21,7 @@ SMALL = 4096  # partition bytes that make several chunks out of small arrays
 def run_workers(n, servers, fn, **config):
     """Runs ``fn(runtime)`` on n workers at once; returns their results."""
     addresses = tuple(s.address for s in servers)
+    config = {key: v for key, v in config.items() if v is not None}
 
     def work(rank):
         cfg = Config(
@@ -46,8 +47,16 @@ DTYPES = _wire.DTYPES
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("n,k", [(1, 1), (2, 2), (4, 3), (2, 1), (4, 2)])
-def test_sums_equal_numpy_for_all_dtypes_and_sizes(start_servers, n, k):
+@pytest.mark.parametrize(
+    "n,k,shm_bytes",
+    [(1, 1, None), (2, 2, None), (4, 3, None), (2, 1, 0), (4, 2, 0)],
+    ids=["1-1", "2-2", "4-3", "2-1-grpc", "4-2-grpc"],
+)
+def test_sums_equal_numpy_for_all_dtypes_and_sizes(
+    start_servers, n, k, shm_bytes
+):
+    # servers on 127.0.0.1 get payloads through shared memory unless
+    # shm_bytes=0, which sends them in the gRPC messages
     servers = start_servers(k, n)
     # 1 element, not a multiple of the chunk size, several chunks
     sizes = [1, 1000, 3 * SMALL // 4 + 5, 10 * SMALL]
@@ -61,7 +70,9 @@ def test_sums_equal_numpy_for_all_dtypes_and_sizes(start_servers, n, k):
                 out[name] = rt.push_pull(name, x, average=False)
         return out
 
-    results = run_workers(n, servers, fn, partition_bytes=SMALL)
+    results = run_workers(
+        n, servers, fn, partition_bytes=SMALL, shm_bytes=shm_bytes
+    )
     for dtype in DTYPES:
         for size in sizes:
             name = f"{np.dtype(dtype).name}/{size}"

@@ -63,10 +63,25 @@ def test_codec_matches_protobuf():
     msg = pb.PushRequest.FromString(raw)
     assert msg.header == h and msg.checksum == 0xDEADBEEF
     assert msg.payload == x.tobytes()
-    h2, payload, checksum = _codec.decode_push(msg.SerializeToString())
+    h2, payload, checksum, slot = _codec.decode_push(msg.SerializeToString())
     assert h2 == h and bytes(payload) == x.tobytes() and checksum == 0xDEADBEEF
+    assert slot is None
     reply = pb.PullReply(incarnation="abc", payload=b"xyz")
     assert _codec.encode_pull_reply("abc", b"xyz") == reply.SerializeToString()
+
+
+def test_codec_of_shared_memory_slots_matches_protobuf():
+    h = pb.Header(version=1, job_id="j", rank=2, key=9, round=3, dtype=1)
+    slot = pb.ShmSlot(segment=3, offset=1 << 33)
+    raw = _codec.encode_push(h, None, 5, slot)
+    msg = pb.PushRequest.FromString(raw)
+    assert msg.slot == slot and msg.payload == b"" and msg.checksum == 5
+    *_, decoded = _codec.decode_push(msg.SerializeToString())
+    assert decoded == slot
+    reply = pb.PullReply(incarnation="abc", in_slot=True)
+    encoded = _codec.encode_pull_reply("abc", None, in_slot=True)
+    assert encoded == reply.SerializeToString()
+    assert _codec.decode_pull_reply(encoded) == ("abc", b"", True)
 
 
 @settings(max_examples=300, deadline=None)

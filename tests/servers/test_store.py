@@ -234,3 +234,69 @@ def test_failed_round_never_answers_an_older_sum():
     store.expire(now=1e12)
     with pytest.raises(StoreError, match="timed out"):
         pull(store, 1, 1, 0, x)
+
+
+def raw_pull(store, key, rnd, rank, like):
+    _, total = store.pull(
+        key=key,
+        round=rnd,
+        rank=rank,
+        dtype_code=_wire.dtype_code(like.dtype),
+        length=like.size,
+        raw=True,
+    )
+    return total
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_accumulators_are_reused_without_mixing_rounds(deterministic):
+    store = Store(2, deterministic=deterministic)
+    x = np.ones(4, np.float32)
+    totals = []
+    for rnd in range(7):
+        push(store, 1, rnd, 0, x * rnd)
+        push(store, 1, rnd, 1, x)
+        totals.append(raw_pull(store, 1, rnd, 0, x))
+        raw_pull(store, 1, rnd, 1, x)
+        np.testing.assert_array_equal(totals[-1], x * (rnd + 1))
+    # round_window + 1 = 3 arrays, taken in turn
+    assert len({id(t) for t in totals}) == 3
+    assert totals[0] is totals[3] is totals[6]
+
+
+def test_reused_accumulator_never_overwrites_a_waiting_round():
+    # Round 0 is complete but rank 1 has not pulled it; round 1 fails, so
+    # round 3, whose accumulator slot is round 0's, may start meanwhile.
+    store = Store(2, round_timeout=1.0)
+    x = np.ones(3, np.float32)
+    push(store, 1, 0, 0, x)
+    push(store, 1, 0, 1, 2 * x)
+    raw_pull(store, 1, 0, 0, x)
+    push(store, 1, 1, 0, x)
+    store.expire(now=1e12)  # round 1 times out: rounds up to 1 are done
+    push(store, 1, 2, 0, x)
+    push(store, 1, 2, 1, x)
+    push(store, 1, 3, 0, 10 * x)
+    push(store, 1, 3, 1, 10 * x)
+    np.testing.assert_array_equal(raw_pull(store, 1, 0, 1, x), 3 * x)
+    np.testing.assert_array_equal(raw_pull(store, 1, 3, 1, x), 20 * x)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_borrowed_payloads_are_not_kept(n, deterministic):
+    # A borrowed payload (a worker's shared-memory slot) is reused by its
+    # owner as soon as the push is acknowledged.
+    store = Store(n, deterministic=deterministic)
+    x = np.arange(5, dtype=np.float32)
+    for rank in range(n):
+        buf = bytearray(x.tobytes())
+        ticket = store.begin_push(
+            key=1, round=0, rank=rank, dtype_code=_wire.dtype_code(x.dtype),
+            length=x.size, payload=memoryview(buf), checksum=rank,
+            borrowed=True,
+        )  # fmt: skip
+        ticket.run()
+        store.finish_push(ticket)
+        buf[:] = bytes(len(buf))  # the owner reuses its slot
+    np.testing.assert_array_equal(raw_pull(store, 1, 0, 0, x), n * x)

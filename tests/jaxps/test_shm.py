@@ -1,0 +1,168 @@
+"""Payloads through shared memory to servers on the same host."""
+
+import os
+import secrets
+import time
+
+import numpy as np
+import pytest
+
+from jaxps import errors
+from jaxps._src import shm
+from jaxps._src.client import ServerClient
+from jaxps._src.config import Config
+from jaxps._src.runtime import Runtime
+from jaxps.servers import _codec, _shm, _wire
+from jaxps.servers import jaxps_pb2 as pb
+
+from .test_runtime import run_workers
+
+PARTITION = 64 * 1024
+
+
+def test_is_local():
+    assert shm.is_local("127.0.0.1:1") and shm.is_local("127.9.9.9:1")
+    assert shm.is_local("localhost:1") and shm.is_local("[::1]:1")
+    assert not shm.is_local("10.0.0.1:1") and not shm.is_local("host:1")
+
+
+@pytest.mark.timeout(60)
+def test_shared_memory_carries_the_payloads(start_servers):
+    servers = start_servers(2, 2)
+    x = np.arange(10 * PARTITION // 4, dtype=np.float32)
+
+    def fn(rt):
+        pools = [lane.pool for lane in rt._lanes]
+        sums = [rt.push_pull(f"t{i}", x * (rt.rank + 1)) for i in range(3)]
+        return sums, [len(p.segment_ids) for p in pools if p is not None]
+
+    for sums, segments in run_workers(
+        2, servers, fn, partition_bytes=PARTITION
+    ):
+        assert segments and min(segments) >= 1  # both servers use it
+        for got in sums:
+            np.testing.assert_array_equal(got, 1.5 * x)
+    # the names were unlinked at once: nothing is left in /dev/shm
+    assert not [f for f in os.listdir(_shm.SHM_DIR) if _shm.NAME.match(f)]
+
+
+@pytest.mark.timeout(60)
+def test_small_pool_falls_back_to_grpc_without_waiting(start_servers):
+    # One segment of 2 slots for 40 chunks in flight: most go through gRPC.
+    servers = start_servers(1, 2)
+    x = np.ones(20 * PARTITION // 4, dtype=np.float32)
+
+    def fn(rt):
+        rt._lanes[0].pool.slots_per_segment = 2
+        rt._lanes[0].pool.segment_bytes = 2 * PARTITION
+        rt._lanes[0].pool.max_segments = 1
+        return [rt.push_pull(f"t{i}", x, average=False) for i in range(3)]
+
+    for sums in run_workers(2, servers, fn, partition_bytes=PARTITION):
+        for got in sums:
+            np.testing.assert_array_equal(got, 2 * x)
+
+
+@pytest.mark.timeout(60)
+def test_server_on_another_host_falls_back_to_grpc(
+    start_servers, tmp_path, monkeypatch
+):
+    # The worker writes its segment where the server cannot see it, as on
+    # another host (or another container): every payload goes through gRPC.
+    monkeypatch.setattr(_shm, "SHM_DIR", str(tmp_path))
+    servers = start_servers(1, 2)
+    x = np.arange(3 * PARTITION // 4, dtype=np.float32)
+
+    def fn(rt):
+        got = rt.push_pull("t", x, average=False)
+        return got, rt._lanes[0].pool is None or not rt._lanes[0].pool.enabled
+
+    for got, fell_back in run_workers(
+        2, servers, fn, partition_bytes=PARTITION
+    ):
+        assert fell_back
+        np.testing.assert_array_equal(got, 2 * x)
+    assert not os.listdir(tmp_path)
+
+
+def make_segment(size=4096):
+    name = "jaxps-" + secrets.token_hex(16)
+    path = os.path.join(_shm.SHM_DIR, name)
+    with open(path, "wb") as f:
+        token = secrets.token_bytes(_shm.TOKEN_BYTES)
+        f.write(token + bytes(size - len(token)))
+    return name, path, token
+
+
+@pytest.mark.timeout(60)
+def test_attach_checks_name_size_and_token(start_servers):
+    (server,) = start_servers(1, 1)
+    client = ServerClient(server.address, max_message_bytes=1 << 20,
+                          timeout=10)  # fmt: skip
+    client.hello(job_id="jaxps", rank=0, num_workers=1)
+    name, path, token = make_segment()
+    try:
+        cases = [
+            ("../etc/passwd", 4096, token, "not 'jaxps-' followed by"),
+            (name, 8192, token, "not a regular file of 8192 bytes"),
+            (name, 4096, bytes(16), "does not hold the token"),
+            ("jaxps-" + "0" * 32, 4096, token, "not on this host"),
+        ]
+        for bad_name, size, bad_token, message in cases:
+            with pytest.raises(errors.RequestRejectedError, match=message):
+                client.attach(bad_name, size, bad_token)
+        segment = client.attach(name, 4096, token)
+    finally:
+        os.unlink(path)
+    header = pb.Header(version=_wire.PROTOCOL_VERSION, job_id="jaxps",
+                       rank=0, key=1, round=0, dtype=pb.FLOAT32, length=2048)
+    deadline = time.monotonic() + 10
+    with pytest.raises(errors.RequestRejectedError, match="outside its"):
+        client.push(header, None, 0, deadline,
+                    slot=pb.ShmSlot(segment=segment, offset=1))
+    with pytest.raises(errors.RequestRejectedError, match="never attached"):
+        client.push(header, None, 0, deadline,
+                    slot=pb.ShmSlot(segment=segment + 1, offset=0))
+    client.detach([segment])
+    with pytest.raises(errors.RequestRejectedError, match="never attached"):
+        client.push(header, None, 0, deadline,
+                    slot=pb.ShmSlot(segment=segment, offset=0))
+    client.close()
+
+
+@pytest.mark.timeout(60)
+def test_retried_push_from_a_slot_is_counted_once(start_servers):
+    (server,) = start_servers(1, 2)
+    rt = [Runtime(Config(servers=(server.address,), num_workers=2,
+                         worker_rank=r, partition_bytes=PARTITION))
+          for r in range(2)]  # fmt: skip
+    try:
+        x = np.full(100, 3.0, np.float32)
+        lane = rt[0]._lanes[0]
+        slot = lane.pool.take(x.nbytes)
+        np.copyto(slot.array(x.dtype, x.size), x)
+        header = pb.Header(version=_wire.PROTOCOL_VERSION, job_id="jaxps",
+                           rank=0, key=5, round=0, dtype=pb.FLOAT32,
+                           length=x.size)  # fmt: skip
+        for _ in range(3):  # the same push, replayed
+            soon = time.monotonic() + 10
+            lane.client.push(header, None, 7, soon, slot=slot.ref)
+        other = pb.Header()
+        other.CopyFrom(header)
+        other.rank = 1
+        rt[1]._lanes[0].client.push(other, x, 8, time.monotonic() + 10)
+        got = lane.client.pull(header, time.monotonic() + 10, slot.ref)
+        assert got is None  # the sum is in the slot
+        np.testing.assert_array_equal(slot.array(x.dtype, x.size), 2 * x)
+        # a pull without a slot gets the same sum in the reply
+        payload = rt[1]._lanes[0].client.pull(other, time.monotonic() + 10)
+        np.testing.assert_array_equal(np.frombuffer(payload, x.dtype), 2 * x)
+    finally:
+        for r in rt:
+            r.close()
+
+
+def test_codec_rejects_a_slot_that_is_not_a_message():
+    raw = _codec.encode_push(pb.Header(version=1), b"", 0)
+    with pytest.raises(_codec.DecodeError, match="slot"):
+        _codec.decode_push(raw + bytes([4 << 3 | 0, 1]))
