@@ -1,8 +1,11 @@
 """The worker runtime: chunks tensors, pushes and pulls them, reassembles.
 
-Each server has a lane: a priority queue of chunks, sender threads that push
-them, and a credit bound on the bytes being pushed. Chunks take credit in
-priority order. A push that the server acknowledged gives its credit back and
+All chunks of a worker wait in one priority queue, whatever their server;
+sender threads take them in order, within a credit bound on the bytes being
+pushed at once. Every worker thus pushes in the same order, so each server
+gets a chunk from all workers at about the same time and can answer its
+pulls early, instead of every server waiting for the worker that happened to
+serve it last. A push that the server acknowledged gives its credit back and
 is followed at once by an asynchronous pull, whose callback writes the sum
 into the output array. Credit never waits on other workers, so workers that
 queue chunks in different orders cannot deadlock each other.
@@ -137,21 +140,10 @@ class _Chunk:
         self.lane = lane
 
 
-class _Lane:
-    """The queue, credit and sender threads of one server."""
+class _Sender:
+    """The queue, credit and sender threads of a worker, for all servers."""
 
-    def __init__(
-        self,
-        client: ServerClient,
-        credit: int,
-        senders: int,
-        timeline=None,
-        pool: shm.SlotPool | None = None,
-    ):
-        self.client = client
-        self.pool = pool
-        self.timeline = timeline
-        self.row = f"server {client.address}"
+    def __init__(self, credit: int, threads: int):
         self.credit = credit
         self.in_flight = 0
         self._cv = threading.Condition()
@@ -159,24 +151,23 @@ class _Lane:
         self.queue: queue.PriorityQueue = queue.PriorityQueue()
         self.threads = [
             threading.Thread(
-                target=self._send_loop,
-                daemon=True,
-                name=f"jaxps-send-{client.address}-{i}",
+                target=self._send_loop, daemon=True, name=f"jaxps-send-{i}"
             )
-            for i in range(senders)
+            for i in range(threads)
         ]
         for t in self.threads:
             t.start()
 
-    def acquire(self, nbytes: int, deadline: float, label: str) -> None:
+    def acquire(self, nbytes: int, timeout: float, label: str) -> None:
+        deadline = time.monotonic() + timeout
         with self._cv:
             while self.in_flight > 0 and self.in_flight + nbytes > self.credit:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise errors.RoundTimeoutError(
-                        f"{label}: no credit to push to server "
-                        f"{self.client.address} for {self.client.timeout:g} s "
-                        f"({self.in_flight} bytes in flight)."
+                        f"{label}: no credit to push within {timeout:g} s "
+                        f"({self.in_flight} bytes pushed to the servers and "
+                        "not acknowledged)."
                     )
                 self._cv.wait(remaining)
             self.in_flight += nbytes
@@ -198,13 +189,35 @@ class _Lane:
                 try:
                     self.acquire(
                         chunk.nbytes,
-                        time.monotonic() + self.client.timeout,
-                        f"push_pull of {h.name} round {h.round}",
+                        chunk.lane.client.timeout,
+                        f"push_pull of {h.name} round {h.round} to server "
+                        f"{chunk.lane.client.address}",
                     )
                 except errors.JaxpsError as err:
                     chunk.handle.fail(err)
                     continue
-            self._send(chunk)
+            chunk.lane.send(chunk, self.release)
+
+    def stop(self) -> None:
+        for _ in self.threads:
+            self.queue.put((float("inf"), 0, 0, _STOP))
+        for t in self.threads:
+            t.join(timeout=5)
+
+
+class _Lane:
+    """Pushes and pulls the chunks of one server (one channel)."""
+
+    def __init__(
+        self,
+        client: ServerClient,
+        timeline=None,
+        pool: shm.SlotPool | None = None,
+    ):
+        self.client = client
+        self.pool = pool
+        self.timeline = timeline
+        self.row = f"server {client.address}"
 
     def _span(self, stage: str, start: float, chunk: _Chunk) -> float:
         end = _timeline.now()
@@ -216,7 +229,8 @@ class _Lane:
             )  # fmt: skip
         return end
 
-    def _send(self, chunk: _Chunk) -> None:
+    def send(self, chunk: _Chunk, release) -> None:
+        """Pushes `chunk`, calls ``release(nbytes)`` and starts its pull."""
         timeout = self.client.timeout
         h, source = chunk.header, chunk.source
         pushed = self._span("queue", chunk.queued, chunk)
@@ -241,7 +255,7 @@ class _Lane:
             chunk.handle.fail(err)
             return
         finally:
-            self.release(chunk.nbytes)
+            release(chunk.nbytes)
         pulling = self._span("push", pushed, chunk)
         future.add_done_callback(
             lambda f: self._pulled(chunk, f, pulling, slot)
@@ -285,10 +299,6 @@ class _Lane:
         return self.client.pull(chunk.header, deadline, ref)
 
     def stop(self) -> None:
-        for _ in self.threads:
-            self.queue.put((float("inf"), 0, _STOP))
-        for t in self.threads:
-            t.join(timeout=5)
         if self.pool is not None:
             if self.pool.segment_ids:
                 self.client.detach(self.pool.segment_ids)
@@ -311,7 +321,7 @@ class Runtime:
 
     Args:
       config: the worker's settings.
-      senders_per_server: threads pushing on each channel.
+      senders_per_server: threads pushing, per channel (at most 8 in all).
       channels_per_server: gRPC channels (TCP connections) to each server;
         a server's pieces take turns on them.
     """
@@ -331,6 +341,7 @@ class Runtime:
         self._seq = itertools.count()
         self._plans: dict = {}
         self._lanes: list[_Lane] = []
+        self._sender: _Sender | None = None
         addresses = config.servers + config.colocated_servers
         if config.colocated_servers:
             self.weights = topology.mixed_mode_weights(
@@ -378,9 +389,7 @@ class Runtime:
             )
         #: whether the servers hold parameters (async mode)
         self.async_servers = modes == {True}
-        credit = max(
-            config.credit_bytes // channels_per_server, config.partition_bytes
-        )
+        credit = max(config.credit_bytes, config.partition_bytes)
         self.timeline = None
         if config.trace_dir:
             self.timeline = _timeline.Timeline(
@@ -391,15 +400,11 @@ class Runtime:
                 config.worker_rank,
             )
         self._lanes = [
-            _Lane(
-                c,
-                credit,
-                senders_per_server,
-                self.timeline,
-                _slot_pool(c, config),
-            )
-            for c in clients
+            _Lane(c, self.timeline, _slot_pool(c, config)) for c in clients
         ]
+        self._sender = _Sender(
+            credit, min(8, senders_per_server * len(clients))
+        )
 
     def check_mode(self, names: Sequence[str]) -> None:
         """Refuses sums from async servers, and parameters from sync ones.
@@ -514,7 +519,7 @@ class Runtime:
                 piece.server * self._channels + i % self._channels
             ]
             chunk = _Chunk(handle, source, dest, header, divisor, lane)
-            lane.queue.put((-piece.priority, seq, i, chunk))
+            self._sender.queue.put((-piece.priority, seq, i, chunk))
         return handle
 
     def push_pull(self, name: str, array, *, average: bool = True):
@@ -563,6 +568,9 @@ class Runtime:
 
     def close(self) -> None:
         """Stops the sender threads and closes the channels."""
+        if self._sender is not None:
+            self._sender.stop()
+            self._sender = None
         for lane in self._lanes:
             lane.stop()
         self._lanes = []
