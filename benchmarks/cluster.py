@@ -629,8 +629,8 @@ def parse_args(argv):
         "--credit-kib",
         type=int,
         default=0,
-        help="jaxps bytes in flight per server, KiB (default: "
-        "jaxps' own, 4 x 4 MiB)",
+        help="jaxps bytes being pushed at once, to all servers together, "
+        "KiB (default: jaxps' own, 4 x 4 MiB)",
     )
     p.add_argument(
         "--queue-ms",
