@@ -18,8 +18,10 @@ from jaxps.servers._service import INCARNATION_KEY
 #: server, so retrying it is safe.
 MAX_BACKOFF = 0.5
 #: How long after its first UNAVAILABLE a call is retried (at most until its
-#: deadline): long enough for a server restart, short enough to report a dead
-#: server soon.
+#: deadline, and at most the client's timeout): long enough for a server
+#: restart, short enough to report a dead server soon. A pull that waits for
+#: its round has a longer deadline than the timeout, but a dead server is
+#: still reported within the timeout.
 RETRY_WINDOW = 10.0
 
 _REJECTED = {
@@ -235,7 +237,8 @@ class ServerClient:
                 )
             except grpc.RpcError as err:
                 if attempt == 1:
-                    give_up = min(deadline, time.monotonic() + RETRY_WINDOW)
+                    window = min(RETRY_WINDOW, self.timeout)
+                    give_up = min(deadline, time.monotonic() + window)
                 pause = min(MAX_BACKOFF, 0.02 * 2**attempt)
                 pause *= random.uniform(0.5, 1.0)
                 retry = (
