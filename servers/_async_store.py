@@ -68,14 +68,14 @@ class AsyncStore(Store):
         checksum: int,
         name: str = "",
         now: float | None = None,
-        borrowed: bool = False,
+        lent: bool = False,
     ):
         """Validates a push; returns its work, or None for a repeat.
 
-        Payloads are always copied or added at once, so `borrowed` changes
+        Payloads are always copied or added at once, so `lent` changes
         nothing here.
         """
-        del checksum, now, borrowed
+        del checksum, now, lent
         k, dtype = self._validate_push(
             key, round, rank, dtype_code, length, payload, name
         )
@@ -93,10 +93,12 @@ class AsyncStore(Store):
         self.rounds_completed += 1
 
     def pull(
-        self, *, key, round, rank, dtype_code, length, now=None, raw=False
-    ):
-        """Returns the current value at once: (None, encoded value), or with
-        `raw` (None, the value array)."""
+        self, *, key, round, rank, dtype_code, length, now=None, raw=False,
+        into=None,
+    ):  # fmt: skip
+        """Returns the current value at once: (None, encoded value), with
+        `raw` (None, the value array), or with `into` (None, `into`) after
+        copying the value there."""
         del round, now
         self._check_rank(rank)
         k = self._keys.get(key)
@@ -107,9 +109,12 @@ class AsyncStore(Store):
             )
         self._check_schema(k, dtype_code, length)
         value = _cast(k.value, _wire.code_dtype(k.dtype_code))
+        if into is not None:
+            np.copyto(np.frombuffer(into, value.dtype, value.size), value)
+            return None, into
         return None, value if raw else self.encode(value)
 
-    def collect(self, key: int, rnd: Round, rank: int, raw: bool = False):
+    def collect(self, key, rnd: Round, rank, raw=False, into=None):
         raise AssertionError("async pulls never wait")  # pragma: no cover
 
     def expire(self, now: float | None = None) -> int:

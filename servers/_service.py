@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import secrets
 import time
 
 import grpc
-import numpy as np
 
 from . import _async_store, _codec, _shm, _store, _wire
 from . import jaxps_pb2 as pb
@@ -183,17 +183,35 @@ class SummationServicer:
                 payload=payload,
                 checksum=checksum,
                 name=h.name,
-                borrowed=slot is not None,
+                lent=slot is not None,
             )
             if ticket is not None:
-                loop = asyncio.get_running_loop()
-                await loop.run_in_executor(
+                summed = asyncio.get_running_loop().run_in_executor(
                     self._engines[ticket.engine], ticket.run
                 )
-                self.store.finish_push(ticket)
+                if self.async_mode:  # a delta may be refused while added
+                    await summed
+                    self.store.finish_push(ticket)
+                else:
+                    # The payload stays valid (the request's bytes, or a
+                    # slot lent until the pull): acknowledge it now.
+                    summed.add_done_callback(
+                        functools.partial(self._summed, ticket)
+                    )
         except _store.StoreError as err:
             await self._abort(context, err)
         return pb.PushReply(incarnation=self.incarnation)
+
+    def _summed(self, ticket: _store.PushTicket, future) -> None:
+        """Completes a push that the engine added, or fails its round."""
+        if future.cancelled():
+            return  # the server is stopping
+        err = future.exception()
+        if err is None:
+            self.store.finish_push(ticket)
+        else:
+            log.error("summing a push failed: %r", err)
+            self.store.fail_push(ticket, err)
 
     async def Pull(self, request: bytes, context) -> bytes:
         store = self.store
@@ -209,17 +227,13 @@ class SummationServicer:
                 rank=h.rank,
                 dtype_code=h.dtype,
                 length=h.length,
-                raw=target is not None,
+                into=target,
             )
             if result is None:
                 await self._wait(rnd, context)
                 store.fail_if_late(h.key, rnd, time.monotonic())
-                result = store.collect(
-                    h.key, rnd, h.rank, raw=target is not None
-                )
+                result = store.collect(h.key, rnd, h.rank, into=target)
             if target is not None:
-                out = np.frombuffer(target, result.dtype, result.size)
-                np.copyto(out, result)
                 result = self._in_slot
         except _store.StoreError as err:
             await self._abort(context, err)

@@ -7,8 +7,9 @@ attach it; the server maps the file only if it is a regular file with the
 expected name, size and token, i.e. one the worker itself just wrote. The
 worker then unlinks the name: the memory lives as long as both mappings.
 
-Pushes name a slot in a segment, which the server reads before it replies;
-pulls name a slot, which the server writes the sum into.
+A push names a slot, which the worker then lends to the server until its
+pull of the round returns (the server may sum in it); the pull names the
+same slot and finds the sum there.
 """
 
 from __future__ import annotations

@@ -7,10 +7,14 @@ time without locks while different keys are summed in parallel.
 
 Sums go into accumulators that each key reuses round after round (memory
 that was already touched is several times faster to write than fresh
-memory). The first push of a round is not copied: the second push is added
-to it straight into the accumulator. A push whose payload the caller will
-reuse (`borrowed`, e.g. a worker's shared-memory slot) is copied or added at
-once instead.
+memory). No push is copied: the first is kept as it came, and the second is
+added to it straight into the accumulator.
+
+A push may also *lend* its payload (a worker's shared-memory slot, which the
+worker leaves alone until its pull of the round returns). The running sum
+is then made in place in a lent slot, and the finished sum is copied into
+the other lent slots, where their ranks' pulls find it: a 2-rank round of
+shared-memory pushes is one in-place add and one copy.
 """
 
 from __future__ import annotations
@@ -49,9 +53,14 @@ class Round:
 
     number: int
     started: float
-    acc: np.ndarray  # where the sum is made (accumulator dtype)
+    acc: np.ndarray  # the sum when no lent slot can hold it (acc. dtype)
     pushed: dict[int, int] = dataclasses.field(default_factory=dict)
+    # pushes kept until they are added (the first one, or all of them in
+    # rank order when deterministic)
     parts: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    # each lending rank's slot, where its pull finds the sum
+    lent: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    running: np.ndarray | None = None  # the sum so far (acc or a lent slot)
     summed: int = 0
     total: np.ndarray | None = None  # the finished sum, in the wire dtype
     encoded: bytes | None = None  # `total` encoded once for every puller
@@ -87,16 +96,16 @@ class PushTicket:
     """The numpy work of one accepted push, run on the key's engine thread."""
 
     __slots__ = ("key", "round", "rank", "data", "num_workers", "ordered",
-                 "borrowed")  # fmt: skip
+                 "lent")  # fmt: skip
 
-    def __init__(self, key, rnd, rank, data, num_workers, ordered, borrowed):
+    def __init__(self, key, rnd, rank, data, num_workers, ordered, lent):
         self.key = key
         self.round = rnd
         self.rank = rank
         self.data = data
         self.num_workers = num_workers
         self.ordered = ordered
-        self.borrowed = borrowed
+        self.lent = lent
 
     @property
     def engine(self) -> int:
@@ -105,31 +114,64 @@ class PushTicket:
     def run(self) -> bool:
         """Adds the payload into the round; returns True if it completed."""
         rnd, data = self.round, self.data
-        acc = rnd.acc
+        if self.lent:
+            rnd.lent[self.rank] = data
         if self.ordered:
-            rnd.parts[self.rank] = data.copy() if self.borrowed else data
-            rnd.summed += 1
-            if rnd.summed == self.num_workers:
-                parts = [rnd.parts[r] for r in sorted(rnd.parts)]
-                rnd.parts = {}
-                np.copyto(acc, parts[0], casting="unsafe")
-                for part in parts[1:]:
-                    np.add(acc, part, out=acc, casting="unsafe")
-        elif rnd.summed == 0 and self.num_workers > 1 and not self.borrowed:
-            rnd.parts[self.rank] = data  # deferred: the next push adds to it
-        elif rnd.summed == 0:
-            np.copyto(acc, data, casting="unsafe")
-        elif rnd.parts:
-            (first,) = rnd.parts.values()
-            rnd.parts = {}
-            np.add(first, data, out=acc, dtype=acc.dtype, casting="unsafe")
+            rnd.parts[self.rank] = data
+        elif rnd.running is not None:
+            np.add(rnd.running, data, out=rnd.running, casting="unsafe")
+        elif not rnd.parts:
+            if self.lent and data.dtype == rnd.acc.dtype:
+                rnd.running = data  # the sum is made in this slot
+            else:
+                rnd.parts[self.rank] = data  # the next push adds to it
         else:
-            np.add(acc, data, out=acc, casting="unsafe")
-        if not self.ordered:
-            rnd.summed += 1
+            ((first_rank, first),) = rnd.parts.items()
+            rnd.parts = {}
+            rnd.running = _sum_into(
+                rnd, [first, data], [first_rank in rnd.lent, self.lent]
+            )
+        rnd.summed += 1
         if rnd.summed == self.num_workers:
-            rnd.total = _cast(acc, data.dtype)
+            self._finish(rnd, data.dtype)
         return rnd.total is not None
+
+    def _finish(self, rnd: Round, dtype: np.dtype) -> None:
+        """Makes the total and copies it into every lent slot."""
+        if rnd.parts:  # deterministic, or a single rank
+            ranks = sorted(rnd.parts)
+            parts = [rnd.parts[r] for r in ranks]
+            rnd.parts = {}
+            rnd.running = _sum_into(rnd, parts, [r in rnd.lent for r in ranks])
+        total = _cast(rnd.running, dtype)
+        for slot in rnd.lent.values():
+            if slot is not total:
+                np.copyto(slot, total)
+        if len(rnd.lent) < self.num_workers and any(
+            slot is total for slot in rnd.lent.values()
+        ):
+            # gRPC pullers need the sum after the slot's owner reuses it
+            np.copyto(rnd.acc, total)
+            total = rnd.acc
+        rnd.total = total
+
+
+def _sum_into(rnd: Round, parts: list, lent: list[bool]) -> np.ndarray:
+    """Sums `parts` in order into a lent slot among the first two, else into
+    the accumulator; returns where the sum is."""
+    acc = rnd.acc
+    out = next(
+        (p for p, ok in zip(parts[:2], lent) if ok and p.dtype == acc.dtype),
+        acc,
+    )
+    if len(parts) == 1:
+        if out is not parts[0]:
+            np.copyto(out, parts[0], casting="unsafe")
+        return out
+    np.add(parts[0], parts[1], out=out, dtype=out.dtype, casting="unsafe")
+    for part in parts[2:]:
+        np.add(out, part, out=out, casting="unsafe")
+    return out
 
 
 def _cast(acc: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -192,14 +234,16 @@ class Store:
         checksum: int,
         name: str = "",
         now: float | None = None,
-        borrowed: bool = False,
+        lent: bool = False,
     ) -> PushTicket | None:
         """Validates a push; returns its work, or None for a repeat.
 
         A push whose dtype or length contradicts the key's first push fails
         the round for every rank, so nobody waits for a sum that cannot be.
-        `borrowed` payloads are only read while the ticket runs; others are
-        kept (not copied) until the round's next push is added to them.
+        Payloads are kept (not copied) until they are added. A `lent`
+        payload is a writable buffer that the store may use until `rank`
+        pulls the round: the sum is made or left in it, and that pull must
+        name the same buffer.
         """
         k, dtype = self._validate_push(
             key, round, rank, dtype_code, length, payload, name
@@ -228,7 +272,7 @@ class Store:
             data,
             self.num_workers,
             self.deterministic,
-            borrowed,
+            lent,
         )
 
     def _validate_push(
@@ -258,6 +302,15 @@ class Store:
             self.rounds_completed += 1
             self._wake(rnd)
 
+    def fail_push(self, ticket: PushTicket, err: BaseException) -> None:
+        """Fails the round of a ticket whose `run` raised `err`."""
+        if not isinstance(err, StoreError):
+            err = StoreError(
+                "INTERNAL",
+                f"summing the push of rank {ticket.rank} failed: {err!r}",
+            )
+        self._poison(ticket.key.key, ticket.round.number, err)
+
     # -- pulls -------------------------------------------------------------
 
     def pull(
@@ -270,11 +323,15 @@ class Store:
         length: int,
         now: float | None = None,
         raw: bool = False,
+        into=None,
     ) -> tuple[Round, bytes | np.ndarray | None]:
         """Returns the round and its sum, or None if it is not complete.
 
-        The sum is the encoded reply, or with `raw` the array itself (valid
-        until the key's round after next is summed).
+        The sum is the encoded reply; with `raw` the array itself (valid
+        until the key's round after next is summed, or for a rank that lent
+        its push, until that rank reuses its slot); with `into` (a writable
+        buffer) it is put there and `into` is returned. A rank that lent
+        its push must pull into the same buffer, where the sum already is.
         """
         self._check_rank(rank)
         k = self._keys.get(key)
@@ -287,16 +344,16 @@ class Store:
         self._check_schema(k, dtype_code, length)
         if k.last is not None and k.last.number == round:
             # a retried pull of the round just freed
-            return k.last, self._answer(k.last, raw)
+            return k.last, self._answer(k, k.last, rank, raw, into)
         rnd = self._round(k, round, now)
         if rnd.error is not None:
             raise rnd.error
         if rnd.total is None:
             return rnd, None
-        return rnd, self._take(k, rnd, rank, raw)
+        return rnd, self._take(k, rnd, rank, raw, into)
 
     def collect(
-        self, key: int, rnd: Round, rank: int, raw: bool = False
+        self, key: int, rnd: Round, rank: int, raw: bool = False, into=None
     ) -> bytes | np.ndarray:
         """Returns the sum of a round that completed while `rank` waited."""
         if rnd.error is not None:
@@ -310,17 +367,36 @@ class Store:
                 f"{rank} hit its deadline while waiting for rank(s) "
                 f"{missing} to push.",
             )
-        return self._take(k, rnd, rank, raw)
+        return self._take(k, rnd, rank, raw, into)
 
-    def _answer(self, rnd: Round, raw: bool) -> bytes | np.ndarray:
+    def _answer(self, k: Key, rnd: Round, rank: int, raw: bool, into):
+        # A lending rank's own slot holds the sum; the total may be another
+        # rank's slot, which its owner reuses once it has pulled.
+        own = rnd.lent.get(rank)
+        if into is not None:
+            out = np.frombuffer(into, rnd.total.dtype, rnd.total.size)
+            if own is None:
+                np.copyto(out, rnd.total)
+            elif own.__array_interface__["data"] != out.__array_interface__[
+                "data"
+            ]:
+                raise StoreError(
+                    "INVALID_ARGUMENT",
+                    f"rank {rank} pushed round {rnd.number} of key "
+                    f"{self._label(k)} from a shared-memory slot and must "
+                    "pull it into the same slot.",
+                )
+            return into
+        if own is not None:
+            return own if raw else self.encode(own)
         if raw:
             return rnd.total
         if rnd.encoded is None:
             rnd.encoded = self.encode(rnd.total)
         return rnd.encoded
 
-    def _take(self, k: Key, rnd: Round, rank: int, raw: bool):
-        answer = self._answer(rnd, raw)
+    def _take(self, k: Key, rnd: Round, rank: int, raw: bool, into):
+        answer = self._answer(k, rnd, rank, raw, into)
         rnd.pulled.add(rank)
         if len(rnd.pulled) == self.num_workers:
             del k.rounds[rnd.number]

@@ -9,7 +9,7 @@ import numpy as np
 
 from . import jaxps_pb2 as pb
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 CHUNK_BITS = 16
 MAX_CHUNKS = 1 << CHUNK_BITS
 #: Room on top of a chunk for the header fields of one message.

@@ -12,8 +12,8 @@ queue chunks in different orders cannot deadlock each other.
 
 A server on this host (a loopback address) gets payloads through shared
 memory instead (`jaxps._src.shm`): the chunk is copied into a slot, push and
-pull only name the slot, and the server reads the chunk from it and writes
-the sum back into it.
+pull only name the slot, which is the server's until the pull returns, and
+the server sums in it or writes the sum into it.
 """
 
 from __future__ import annotations

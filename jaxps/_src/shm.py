@@ -2,8 +2,9 @@
 
 A `SlotPool` holds fixed-size slots in segments that one server attached
 (see `jaxps.servers._shm`). A chunk takes a slot, is copied into it and
-pushed by reference; its pull names the same slot, the server writes the sum
-there, and the slot is given back once the sum is copied out. Segments are
+pushed by reference; the slot is then the server's until the chunk's pull
+(which names the same slot) returns with the sum in it, and it is given back
+once the sum is copied out. Segments are
 added as needed up to a limit; past it `take` returns None and the chunk
 goes through gRPC, so a pool never waits (and never waits on other
 workers).

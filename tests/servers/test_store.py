@@ -282,21 +282,89 @@ def test_reused_accumulator_never_overwrites_a_waiting_round():
     np.testing.assert_array_equal(raw_pull(store, 1, 3, 1, x), 20 * x)
 
 
+def lend(store, key, rnd, rank, array):
+    """Pushes `array` from a slot lent to the store; returns the slot."""
+    slot = bytearray(array.tobytes())
+    ticket = store.begin_push(
+        key=key, round=rnd, rank=rank,
+        dtype_code=_wire.dtype_code(array.dtype), length=array.size,
+        payload=memoryview(slot), checksum=rank, lent=True,
+    )  # fmt: skip
+    ticket.run()
+    store.finish_push(ticket)
+    return slot
+
+
+def pull_into(store, key, rnd, rank, like, slot):
+    _, got = store.pull(
+        key=key, round=rnd, rank=rank, dtype_code=_wire.dtype_code(like.dtype),
+        length=like.size, into=memoryview(slot),
+    )  # fmt: skip
+    return got
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("n", [1, 2, 3])
-def test_borrowed_payloads_are_not_kept(n, deterministic):
-    # A borrowed payload (a worker's shared-memory slot) is reused by its
-    # owner as soon as the push is acknowledged.
+def test_lent_slots_receive_the_sum(n, deterministic, dtype):
     store = Store(n, deterministic=deterministic)
-    x = np.arange(5, dtype=np.float32)
-    for rank in range(n):
-        buf = bytearray(x.tobytes())
-        ticket = store.begin_push(
-            key=1, round=0, rank=rank, dtype_code=_wire.dtype_code(x.dtype),
-            length=x.size, payload=memoryview(buf), checksum=rank,
-            borrowed=True,
-        )  # fmt: skip
-        ticket.run()
-        store.finish_push(ticket)
-        buf[:] = bytes(len(buf))  # the owner reuses its slot
-    np.testing.assert_array_equal(raw_pull(store, 1, 0, 0, x), n * x)
+    rng = np.random.default_rng(n)
+    parts = [rng.integers(-8, 8, size=9).astype(dtype) for _ in range(n)]
+    slots = [lend(store, 1, 0, rank, parts[rank]) for rank in range(n)]
+    expected = np.sum(np.stack(parts).astype(np.float64), axis=0)
+    for slot in slots:
+        # the sum is in every slot before anyone pulls
+        got = np.frombuffer(slot, dtype).astype(np.float64)
+        np.testing.assert_array_equal(got, expected)
+    for rank, slot in enumerate(slots):
+        assert pull_into(store, 1, 0, rank, parts[0], slot) is not None
+        slot[:] = bytes(len(slot))  # the owner reuses its slot at once
+    assert store.pending_rounds() == 0
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("lenders", [(0,), (1,), (0, 2)])
+def test_lent_and_grpc_pushes_mix(lenders, deterministic):
+    # A lender's slot may hold the running sum; gRPC pullers must still get
+    # the sum after every lender pulled and reused its slot.
+    store = Store(3, deterministic=deterministic)
+    xs = [np.arange(6, dtype=np.float32) * (r + 1) for r in range(3)]
+    slots = {}
+    for rank in range(3):
+        if rank in lenders:
+            slots[rank] = lend(store, 1, 0, rank, xs[rank])
+        else:
+            push(store, 1, 0, rank, xs[rank])
+    for rank, slot in slots.items():
+        pull_into(store, 1, 0, rank, xs[0], slot)
+        np.testing.assert_array_equal(np.frombuffer(slot, np.float32),
+                                      6 * xs[0])
+        slot[:] = b"\xff" * len(slot)
+    for rank in set(range(3)) - set(lenders):
+        np.testing.assert_array_equal(pull(store, 1, 0, rank, xs[0]),
+                                      6 * xs[0])
+
+
+def test_lender_must_pull_into_its_slot():
+    store = Store(2)
+    x = np.ones(4, np.float32)
+    slot = lend(store, 1, 0, 0, x)
+    push(store, 1, 0, 1, x)
+    with pytest.raises(StoreError, match="into the same slot"):
+        pull_into(store, 1, 0, 0, x, bytearray(x.nbytes))
+    # a pull without a slot gets the sum from the lender's own slot
+    np.testing.assert_array_equal(pull(store, 1, 0, 0, x), 2 * x)
+    assert np.frombuffer(slot, np.float32).tolist() == [2.0] * 4
+
+
+def test_retried_pull_of_a_lender_after_the_round_was_freed():
+    store = Store(2)
+    x = np.ones(4, np.float32)
+    slots = [lend(store, 1, 0, rank, x * (rank + 1)) for rank in range(2)]
+    for rank in range(2):
+        pull_into(store, 1, 0, rank, x, slots[rank])
+    slots[0][:] = bytes(len(slots[0]))  # rank 0 reused its slot
+    assert store.pending_rounds() == 0
+    # rank 1's reply was lost: its retry still finds the sum in its slot
+    pull_into(store, 1, 0, 1, x, slots[1])
+    np.testing.assert_array_equal(np.frombuffer(slots[1], np.float32), 3 * x)
