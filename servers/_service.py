@@ -101,6 +101,7 @@ class SummationServicer:
             ),
             # Pull replies are encoded once per round by the store.
             "Pull": grpc.unary_unary_rpc_method_handler(self.Pull),
+            "PushPull": grpc.unary_unary_rpc_method_handler(self.PushPull),
             "Attach": grpc.unary_unary_rpc_method_handler(
                 self.Attach,
                 response_serializer=pb.AttachReply.SerializeToString,
@@ -165,42 +166,79 @@ class SummationServicer:
 
     async def Push(self, request: bytes, context):
         try:
-            try:
-                h, payload, checksum, slot = _codec.decode_push(request)
-            except _codec.DecodeError as err:
-                raise _store.StoreError(
-                    "INVALID_ARGUMENT", f"malformed PushRequest: {err}"
-                ) from None
-            self._check_header(h)
-            if slot is not None:
-                payload = self._slot(h, slot)
-            ticket = self.store.begin_push(
-                key=h.key,
-                round=h.round,
-                rank=h.rank,
-                dtype_code=h.dtype,
-                length=h.length,
-                payload=payload,
-                checksum=checksum,
-                name=h.name,
-                lent=slot is not None,
-            )
-            if ticket is not None:
-                summed = asyncio.get_running_loop().run_in_executor(
-                    self._engines[ticket.engine], ticket.run
-                )
-                if self.async_mode:  # a delta may be refused while added
-                    await summed
-                    self.store.finish_push(ticket)
-                else:
-                    # The payload stays valid (the request's bytes, or a
-                    # slot lent until the pull): acknowledge it now.
-                    summed.add_done_callback(
-                        functools.partial(self._summed, ticket)
-                    )
+            await self._push(*self._decode_push(request))
         except _store.StoreError as err:
             await self._abort(context, err)
         return pb.PushReply(incarnation=self.incarnation)
+
+    async def Pull(self, request: bytes, context) -> bytes:
+        try:
+            request = _decode(pb.PullRequest, request)
+            h = request.header
+            self._check_header(h)
+            slot = request.slot if request.HasField("slot") else None
+            target = None if slot is None else self._slot(h, slot)
+            result = await self._pull(h, target, context)
+        except _store.StoreError as err:
+            await self._abort(context, err)
+        return result  # an encoded PullReply
+
+    async def PushPull(self, request: bytes, context) -> bytes:
+        """Push from a shared-memory slot, then Pull into it, in one call."""
+        try:
+            h, payload, checksum, slot = self._decode_push(request)
+            if slot is None:
+                raise _store.StoreError(
+                    "INVALID_ARGUMENT",
+                    f"PushPull of key {h.key} round {h.round} by rank "
+                    f"{h.rank} names no shared-memory slot; use Push and "
+                    "Pull for payloads in messages.",
+                )
+            target = await self._push(h, payload, checksum, slot)
+            await self._pull(h, target, context)
+        except _store.StoreError as err:
+            await self._abort(context, err)
+        return self._in_slot
+
+    def _decode_push(self, request: bytes):
+        try:
+            h, payload, checksum, slot = _codec.decode_push(request)
+        except _codec.DecodeError as err:
+            raise _store.StoreError(
+                "INVALID_ARGUMENT", f"malformed PushRequest: {err}"
+            ) from None
+        self._check_header(h)
+        return h, payload, checksum, slot
+
+    async def _push(self, h: pb.Header, payload, checksum: int, slot):
+        """Accepts a push; returns its payload (a slot's memory if lent)."""
+        if slot is not None:
+            payload = self._slot(h, slot)
+        ticket = self.store.begin_push(
+            key=h.key,
+            round=h.round,
+            rank=h.rank,
+            dtype_code=h.dtype,
+            length=h.length,
+            payload=payload,
+            checksum=checksum,
+            name=h.name,
+            lent=slot is not None,
+        )
+        if ticket is not None:
+            summed = asyncio.get_running_loop().run_in_executor(
+                self._engines[ticket.engine], ticket.run
+            )
+            if self.async_mode:  # a delta may be refused while added
+                await summed
+                self.store.finish_push(ticket)
+            else:
+                # The payload stays valid (the request's bytes, or a slot
+                # lent until the pull): acknowledge it now.
+                summed.add_done_callback(
+                    functools.partial(self._summed, ticket)
+                )
+        return payload
 
     def _summed(self, ticket: _store.PushTicket, future) -> None:
         """Completes a push that the engine added, or fails its round."""
@@ -213,31 +251,23 @@ class SummationServicer:
             log.error("summing a push failed: %r", err)
             self.store.fail_push(ticket, err)
 
-    async def Pull(self, request: bytes, context) -> bytes:
+    async def _pull(self, h: pb.Header, target, context):
+        """The encoded PullReply of a rank's round, once it is complete;
+        with `target` (a slot), the sum is put there instead."""
         store = self.store
-        try:
-            request = _decode(pb.PullRequest, request)
-            h = request.header
-            self._check_header(h)
-            slot = request.slot if request.HasField("slot") else None
-            target = None if slot is None else self._slot(h, slot)
-            rnd, result = store.pull(
-                key=h.key,
-                round=h.round,
-                rank=h.rank,
-                dtype_code=h.dtype,
-                length=h.length,
-                into=target,
-            )
-            if result is None:
-                await self._wait(rnd, context)
-                store.fail_if_late(h.key, rnd, time.monotonic())
-                result = store.collect(h.key, rnd, h.rank, into=target)
-            if target is not None:
-                result = self._in_slot
-        except _store.StoreError as err:
-            await self._abort(context, err)
-        return result  # an encoded PullReply
+        rnd, result = store.pull(
+            key=h.key,
+            round=h.round,
+            rank=h.rank,
+            dtype_code=h.dtype,
+            length=h.length,
+            into=target,
+        )
+        if result is None:
+            await self._wait(rnd, context)
+            store.fail_if_late(h.key, rnd, time.monotonic())
+            result = store.collect(h.key, rnd, h.rank, into=target)
+        return self._in_slot if target is not None else result
 
     def _slot(self, h: pb.Header, slot: pb.ShmSlot) -> memoryview:
         """The bytes of a chunk in a worker's shared-memory slot."""

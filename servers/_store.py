@@ -248,7 +248,10 @@ class Store:
         k, dtype = self._validate_push(
             key, round, rank, dtype_code, length, payload, name
         )
-        rnd = self._round(k, round, now)
+        if k.last is not None and k.last.number == round:
+            rnd = k.last  # a PushPull retried after its round was freed
+        else:
+            rnd = self._round(k, round, now)
         previous = rnd.pushed.get(rank)
         if previous is not None:
             if previous != checksum:

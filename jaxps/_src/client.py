@@ -100,6 +100,7 @@ class ServerClient:
             method + "Pull",
             request_serializer=pb.PullRequest.SerializeToString,
         )
+        self._push_pull = self._channel.unary_unary(method + "PushPull")
         self._attach = self._channel.unary_unary(
             method + "Attach",
             request_serializer=pb.AttachRequest.SerializeToString,
@@ -181,6 +182,28 @@ class ServerClient:
         request = _codec.encode_push(header, payload, checksum, slot)
         reply = self._call(self._push, request, deadline, header, "push")
         self._check_incarnation(reply.incarnation, header)
+
+    def push_pull_future(
+        self, header: pb.Header, checksum: int, deadline: float, slot
+    ):  # fmt: skip
+        """Starts a PushPull of a filled shared-memory `slot`; returns a
+        grpc future of the encoded PullReply (the sum is then in `slot`)."""
+        request = _codec.encode_push(header, None, checksum, slot)
+        return self._push_pull.future(
+            request,
+            timeout=max(0.01, deadline - time.monotonic()),
+            metadata=self._metadata,
+        )
+
+    def push_pull(
+        self, header: pb.Header, checksum: int, deadline: float, slot
+    ) -> None:
+        """PushPull of a filled `slot`, blocking; retries UNAVAILABLE."""
+        request = _codec.encode_push(header, None, checksum, slot)
+        reply = self._call(
+            self._push_pull, request, deadline, header, "push_pull"
+        )
+        self.decode_pull(reply, header, slot)
 
     def pull_future(
         self, header: pb.Header, deadline: float, slot=None

@@ -230,26 +230,33 @@ class _Lane:
         return end
 
     def send(self, chunk: _Chunk, release) -> None:
-        """Pushes `chunk`, calls ``release(nbytes)`` and starts its pull."""
+        """Pushes `chunk`, calls ``release(nbytes)`` and starts its pull.
+
+        A chunk in a shared-memory slot goes in one PushPull call that does
+        not wait: the bytes are already where the server reads them.
+        """
         timeout = self.client.timeout
         h, source = chunk.header, chunk.source
         pushed = self._span("queue", chunk.queued, chunk)
         slot = None if self.pool is None else self.pool.take(chunk.nbytes)
         ref = None
-        if slot is not None:
-            np.copyto(slot.array(source.dtype, source.size), source)
-            ref = slot.ref
         try:
-            self.client.push(
-                h,
-                source,
-                fingerprint(source),
-                time.monotonic() + timeout,
-                slot=ref,
-            )
-            future = self.client.pull_future(
-                h, time.monotonic() + pull_deadline(timeout), slot=ref
-            )
+            if slot is not None:
+                np.copyto(slot.array(source.dtype, source.size), source)
+                ref = slot.ref
+                future = self.client.push_pull_future(
+                    h,
+                    fingerprint(source),
+                    time.monotonic() + pull_deadline(timeout),
+                    ref,
+                )
+            else:
+                self.client.push(
+                    h, source, fingerprint(source), time.monotonic() + timeout
+                )
+                future = self.client.pull_future(
+                    h, time.monotonic() + pull_deadline(timeout)
+                )
         except errors.JaxpsError as err:
             # the slot is not given back: a late push may still read it
             chunk.handle.fail(err)
@@ -293,10 +300,15 @@ class _Lane:
             chunk.handle.chunk_done()
 
     def _retry_pull(self, chunk: _Chunk, err: grpc.RpcError, ref):
+        what = "pull" if ref is None else "push_pull"
         if err.code() != grpc.StatusCode.UNAVAILABLE:
-            raise self.client.translate(err, "pull", chunk.header) from None
+            raise self.client.translate(err, what, chunk.header) from None
         deadline = time.monotonic() + pull_deadline(self.client.timeout)
-        return self.client.pull(chunk.header, deadline, ref)
+        if ref is None:
+            return self.client.pull(chunk.header, deadline)
+        # the server counts a repeated push once
+        checksum = fingerprint(chunk.source)
+        return self.client.push_pull(chunk.header, checksum, deadline, ref)
 
     def stop(self) -> None:
         if self.pool is not None:

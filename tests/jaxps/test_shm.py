@@ -162,6 +162,50 @@ def test_retried_push_from_a_slot_is_counted_once(start_servers):
             r.close()
 
 
+@pytest.mark.timeout(60)
+def test_replayed_push_pull_is_counted_once(start_servers):
+    # PushPull (push from a slot and pull into it in one call) replayed
+    # before and after the round completes, and after it was freed.
+    (server,) = start_servers(1, 2)
+    rt = [Runtime(Config(servers=(server.address,), num_workers=2,
+                         worker_rank=r, partition_bytes=PARTITION))
+          for r in range(2)]  # fmt: skip
+    try:
+        xs = [np.full(100, 3.0 * (r + 1), np.float32) for r in range(2)]
+        lanes = [r._lanes[0] for r in rt]
+        slots = [lane.pool.take(x.nbytes) for lane, x in zip(lanes, xs)]
+        headers = []
+        for rank, (slot, x) in enumerate(zip(slots, xs)):
+            np.copyto(slot.array(x.dtype, x.size), x)
+            headers.append(pb.Header(
+                version=_wire.PROTOCOL_VERSION, job_id="jaxps", rank=rank,
+                key=5, round=0, dtype=pb.FLOAT32, length=x.size))
+        soon = time.monotonic() + 10
+        # rank 0 waits for rank 1 (a future), which pushes twice
+        waiting = lanes[0].client.push_pull_future(headers[0], 7, soon,
+                                                   slots[0].ref)
+        for _ in range(2):
+            lanes[1].client.push_pull(headers[1], 8, soon, slots[1].ref)
+        lanes[0].client.decode_pull(waiting.result(), headers[0],
+                                    slots[0].ref)
+        for slot in slots:
+            np.testing.assert_array_equal(slot.array(np.float32, 100), 9.0)
+        # the round is freed now; rank 0 replays (its reply "was lost")
+        lanes[0].client.push_pull(headers[0], 7, soon, slots[0].ref)
+        np.testing.assert_array_equal(slots[0].array(np.float32, 100), 9.0)
+        # a PushPull without a slot is refused, naming what is missing
+        bad = pb.Header()
+        bad.CopyFrom(headers[0])
+        bad.round = 1
+        client = lanes[0].client
+        request = _codec.encode_push(bad, np.ones(100, np.float32), 7)
+        with pytest.raises(errors.RequestRejectedError, match="no shared-m"):
+            client._call(client._push_pull, request, soon, bad, "push_pull")
+    finally:
+        for r in rt:
+            r.close()
+
+
 def test_codec_rejects_a_slot_that_is_not_a_message():
     raw = _codec.encode_push(pb.Header(version=1), b"", 0)
     with pytest.raises(_codec.DecodeError, match="slot"):
