@@ -49,6 +49,11 @@ class SummationStub:
                 request_serializer=jaxps__pb2.PullRequest.SerializeToString,
                 response_deserializer=jaxps__pb2.PullReply.FromString,
                 _registered_method=True)
+        self.PushPull = channel.unary_unary(
+                '/jaxps.Summation/PushPull',
+                request_serializer=jaxps__pb2.PushRequest.SerializeToString,
+                response_deserializer=jaxps__pb2.PullReply.FromString,
+                _registered_method=True)
         self.Attach = channel.unary_unary(
                 '/jaxps.Summation/Attach',
                 request_serializer=jaxps__pb2.AttachRequest.SerializeToString,
@@ -78,6 +83,14 @@ class SummationServicer:
 
     def Pull(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushPull(self, request, context):
+        """Push from a shared-memory slot and Pull into it, in one call: answered
+        when the sum is in the slot.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -112,6 +125,11 @@ def add_SummationServicer_to_server(servicer, server):
             'Pull': grpc.unary_unary_rpc_method_handler(
                     servicer.Pull,
                     request_deserializer=jaxps__pb2.PullRequest.FromString,
+                    response_serializer=jaxps__pb2.PullReply.SerializeToString,
+            ),
+            'PushPull': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushPull,
+                    request_deserializer=jaxps__pb2.PushRequest.FromString,
                     response_serializer=jaxps__pb2.PullReply.SerializeToString,
             ),
             'Attach': grpc.unary_unary_rpc_method_handler(
@@ -205,6 +223,33 @@ class Summation:
             target,
             '/jaxps.Summation/Pull',
             jaxps__pb2.PullRequest.SerializeToString,
+            jaxps__pb2.PullReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushPull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxps.Summation/PushPull',
+            jaxps__pb2.PushRequest.SerializeToString,
             jaxps__pb2.PullReply.FromString,
             options,
             channel_credentials,
