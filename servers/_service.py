@@ -28,6 +28,10 @@ _CODES = {
 }
 
 
+#: Pushes of at most this many bytes are summed on the event loop itself.
+INLINE_SUM_BYTES = 256 * 1024
+
+
 def _decode(message_type, data: bytes):
     try:
         return message_type.FromString(data)
@@ -225,26 +229,37 @@ class SummationServicer:
             name=h.name,
             lent=slot is not None,
         )
-        if ticket is not None:
-            summed = asyncio.get_running_loop().run_in_executor(
-                self._engines[ticket.engine], ticket.run
-            )
-            if self.async_mode:  # a delta may be refused while added
-                await summed
-                self.store.finish_push(ticket)
+        if ticket is None:
+            return payload
+        if ticket.data.nbytes <= INLINE_SUM_BYTES:
+            # cheaper than the hop to an engine thread and back
+            try:
+                ticket.run()
+            except Exception as err:
+                if self.async_mode:  # a delta may be refused
+                    raise
+                self._complete(ticket, err)
             else:
-                # The payload stays valid (the request's bytes, or a slot
-                # lent until the pull): acknowledge it now.
-                summed.add_done_callback(
-                    functools.partial(self._summed, ticket)
-                )
+                self._complete(ticket, None)
+            return payload
+        summed = asyncio.get_running_loop().run_in_executor(
+            self._engines[ticket.engine], ticket.run
+        )
+        if self.async_mode:
+            await summed
+            self.store.finish_push(ticket)
+        else:
+            # The payload stays valid (the request's bytes, or a slot lent
+            # until the pull): acknowledge it now.
+            summed.add_done_callback(functools.partial(self._summed, ticket))
         return payload
 
     def _summed(self, ticket: _store.PushTicket, future) -> None:
-        """Completes a push that the engine added, or fails its round."""
-        if future.cancelled():
-            return  # the server is stopping
-        err = future.exception()
+        if not future.cancelled():  # cancelled: the server is stopping
+            self._complete(ticket, future.exception())
+
+    def _complete(self, ticket: _store.PushTicket, err) -> None:
+        """Completes a summed push, or fails its round if summing raised."""
         if err is None:
             self.store.finish_push(ticket)
         else:
