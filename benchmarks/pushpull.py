@@ -479,7 +479,7 @@ def parse_args(argv=None):
     p.add_argument("--sizes-mb", default="4,64,256",
                    type=lambda s: [int(x) for x in s.split(",") if x],
                    help="MiB of float32 per worker (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--repeats", type=int, default=10,
                    help="timed calls per size after 1 warm-up "
                    "(default %(default)s)")
     p.add_argument("--backends", default=",".join(BACKENDS),

@@ -3,10 +3,14 @@
 Runs the synthetic flax models of ``examples/benchmark.py`` (forward,
 backward, push_pull of all gradients through the summation servers, SGD
 update) through ``jaxps-launch`` on loopback: 1 worker without servers, then
-N workers with ``--servers`` servers.
+N workers with ``--servers`` servers. With ``--cluster`` (root) every worker
+and server is a host of the emulated cluster of ``cluster.py`` instead (a
+network namespace whose link is shaped to ``--rate-mbit``), so gradients
+cross rate-limited links; the hosts still share this machine's cores.
 
     python benchmarks/train.py [--models resnet,transformer]
         [--workers 1,2,4] [--servers 2] [--batch-size 32] [--iters 5]
+        [--cluster [--rate-mbit 100] [--mtu 9000]] [--partition-kib K]
 
 Per model it prints a Markdown table:
 
@@ -88,6 +92,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-compile-cache", dest="compile_cache",
                    action="store_false",
                    help="do not share JAX's compilation cache between runs")
+    p.add_argument("--partition-kib", type=int, default=0,
+                   help="JAXPS_PARTITION_BYTES in KiB (default: jaxps' own)")
+    p.add_argument("--cluster", action="store_true",
+                   help="run every worker and server on its own host of an "
+                   "emulated cluster (network namespaces; needs root)")
+    p.add_argument("--rate-mbit", type=float, default=100.0,
+                   help="--cluster: rate of every link, each way")
+    p.add_argument("--mtu", type=int, default=9000,
+                   help="--cluster: MTU of the links")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model-name", default="resnet", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -249,29 +262,85 @@ def cache_env(args) -> dict[str, str]:
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
 
 
+def run_launcher(args, label, workers, servers, child_argv, env, tmp) -> str:
+    """Runs the workers (and servers) with jaxps-launch; returns stdout."""
+    cmd = [sys.executable, "-m", "jaxps._src.launch",
+           "--workers", str(workers), "--servers", str(servers),
+           "--timeout", str(args.jaxps_timeout), "--", *child_argv]
+    code, out, err = launch(cmd, dict(os.environ, **env), tmp,
+                            args.run_timeout)
+    if code != 0:
+        why = "timed out" if code is None else f"exited {code}"
+        tail = "\n".join(err.splitlines()[-15:])
+        raise RuntimeError(f"{label}: launcher {why}:\n{tail}")
+    return out
+
+
+def run_on_cluster(args, label, workers, servers, child_argv, env,
+                   tmp) -> str:
+    """Runs each worker and server on its own emulated host; returns the
+    workers' stdout."""
+    import _netns
+
+    cluster = args.emulated
+    args.port += 1  # a fresh port: never one of a dying server
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith("JAXPS_") and k != "XLA_FLAGS"}
+    base.update(env, PYTHONUNBUFFERED="1",
+                JAXPS_TIMEOUT=str(args.jaxps_timeout))
+    procs: list = []
+    try:
+        for host in cluster.servers[:servers]:
+            argv = [sys.executable, "-m", "jaxps.servers", "--host", host.ip,
+                    "--port", str(args.port), "--num-workers", str(workers),
+                    "--round-timeout", str(args.jaxps_timeout)]
+            procs.append(_netns.Proc(f"server-{host.role}", host.ns, argv,
+                                     tmp, base))
+        deadline = time.monotonic() + 60
+        for proc in procs:
+            proc.wait_for_line("jaxps-server listening on ", deadline)
+        addresses = ",".join(f"{h.ip}:{args.port}"
+                             for h in cluster.servers[:servers])
+        ranks = []
+        for rank, host in enumerate(cluster.workers[:workers]):
+            worker_env = dict(base, JAXPS_NUM_WORKERS=str(workers),
+                              JAXPS_WORKER_RANK=str(rank))
+            if servers:
+                worker_env["JAXPS_SERVERS"] = addresses
+            ranks.append(_netns.Proc(f"worker-{host.role}", host.ns,
+                                     child_argv, tmp, worker_env))
+        procs += ranks
+        try:
+            _netns.wait_all(ranks, time.monotonic() + args.run_timeout)
+        except RuntimeError as err:
+            raise RuntimeError(f"{label}: {err}") from None
+        return "\n".join(proc.stdout() for proc in ranks)
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
 def run(args, model: str, workers: int) -> dict:
     from jaxps._src import timeline
 
     servers = 0 if workers == 1 else args.servers
     steps = args.iters * args.batches_per_iter
     with tempfile.TemporaryDirectory(prefix="jaxps-train-") as tmp:
-        env = dict(os.environ, JAXPS_TRACE_DIR=tmp, **cache_env(args))
-        cmd = [sys.executable, "-m", "jaxps._src.launch",
-               "--workers", str(workers), "--servers", str(servers),
-               "--timeout", str(args.jaxps_timeout), "--",
-               sys.executable, os.path.abspath(__file__), "--child",
-               "--model-name", model,
-               "--batch-size", str(args.batch_size),
-               "--iters", str(args.iters),
-               "--batches-per-iter", str(args.batches_per_iter),
-               "--warmup", str(args.warmup)]
+        env = {"JAXPS_TRACE_DIR": tmp, **cache_env(args)}
+        if args.partition_kib:
+            env["JAXPS_PARTITION_BYTES"] = str(args.partition_kib * 1024)
+        child_argv = [
+            sys.executable, os.path.abspath(__file__), "--child",
+            "--model-name", model,
+            "--batch-size", str(args.batch_size),
+            "--iters", str(args.iters),
+            "--batches-per-iter", str(args.batches_per_iter),
+            "--warmup", str(args.warmup)]  # fmt: skip
         began = time.monotonic()
-        code, out, err = launch(cmd, env, tmp, args.run_timeout)
+        start = run_on_cluster if args.cluster else run_launcher
+        out = start(args, f"{model} x{workers}", workers, servers,
+                    child_argv, env, tmp)
         took = time.monotonic() - began
-        if code != 0:
-            why = "timed out" if code is None else f"exited {code}"
-            tail = "\n".join(err.splitlines()[-15:])
-            raise RuntimeError(f"{model} x{workers}: launcher {why}:\n{tail}")
         results = [json.loads(line.split(RESULT, 1)[1])
                    for line in out.splitlines() if RESULT in line]
         if len(results) != workers:
@@ -385,6 +454,20 @@ def main(argv=None) -> int:
         if args.compile_cache:
             args.cache_dir = stack.enter_context(
                 tempfile.TemporaryDirectory(prefix="jaxps-train-cache-"))
+        if args.cluster:
+            import _netns
+
+            why = _netns.unavailable()
+            if why:
+                log(f"--cluster: {why}")
+                return 2
+            args.emulated = _netns.Cluster(
+                max(args.workers), args.servers, args.rate_mbit,
+                mtu=args.mtu)
+            args.port = 9100
+            stack.callback(args.emulated.down)
+            stack.callback(_netns.stop_all)  # runs first
+            args.emulated.up()
         return drive(args)
 
 
@@ -417,7 +500,10 @@ def drive(args) -> int:
     print(f"# {versions()}")
     print(f"# batch {args.batch_size}/worker, {args.warmup} warm-up steps, "
           f"{args.iters} x {args.batches_per_iter} timed steps per worker; "
-          "loopback", flush=True)
+          + (f"emulated cluster, {args.rate_mbit:g} Mbit/s links, MTU "
+             f"{args.mtu}" if args.cluster else "loopback")
+          + (f"; partition {args.partition_kib} KiB"
+             if args.partition_kib else ""), flush=True)
     failed = False
     last = None
     for model in args.models:

@@ -28,7 +28,7 @@ _CODES = {
 }
 
 
-#: Pushes of at most this many bytes are summed on the event loop itself.
+#: Pushes of at most this many bytes are always summed on the event loop.
 INLINE_SUM_BYTES = 256 * 1024
 
 
@@ -77,6 +77,8 @@ class SummationServicer:
             deterministic=deterministic,
             encode=self._encode_reply,
         )
+        # pushes handed to each engine and not completed yet
+        self._engine_jobs = [0] * max(1, engine_threads)
         self._engines = [
             concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix=f"jaxps-engine-{i}"
@@ -231,8 +233,13 @@ class SummationServicer:
         )
         if ticket is None:
             return payload
-        if ticket.data.nbytes <= INLINE_SUM_BYTES:
-            # cheaper than the hop to an engine thread and back
+        # Small pushes, and any push while its engine has nothing queued
+        # (a lone chunk waits for it), are summed here: cheaper than the hop
+        # to the engine thread and back. A key's pushes stay in order.
+        if (
+            ticket.data.nbytes <= INLINE_SUM_BYTES
+            or self._engine_jobs[ticket.engine] == 0
+        ):
             try:
                 ticket.run()
             except Exception as err:
@@ -242,11 +249,15 @@ class SummationServicer:
             else:
                 self._complete(ticket, None)
             return payload
+        self._engine_jobs[ticket.engine] += 1
         summed = asyncio.get_running_loop().run_in_executor(
             self._engines[ticket.engine], ticket.run
         )
         if self.async_mode:
-            await summed
+            try:
+                await summed
+            finally:
+                self._engine_jobs[ticket.engine] -= 1
             self.store.finish_push(ticket)
         else:
             # The payload stays valid (the request's bytes, or a slot lent
@@ -255,6 +266,7 @@ class SummationServicer:
         return payload
 
     def _summed(self, ticket: _store.PushTicket, future) -> None:
+        self._engine_jobs[ticket.engine] -= 1
         if not future.cancelled():  # cancelled: the server is stopping
             self._complete(ticket, future.exception())
 
