@@ -1,5 +1,6 @@
 """Payloads through shared memory to servers on the same host."""
 
+import contextlib
 import os
 import secrets
 import time
@@ -130,13 +131,23 @@ def test_attach_checks_name_size_and_token(start_servers):
     client.close()
 
 
-@pytest.mark.timeout(60)
-def test_retried_push_from_a_slot_is_counted_once(start_servers):
-    (server,) = start_servers(1, 2)
+@contextlib.contextmanager
+def two_workers(server):
+    """Runtimes of ranks 0 and 1 of a 2-worker job on `server`."""
     rt = [Runtime(Config(servers=(server.address,), num_workers=2,
                          worker_rank=r, partition_bytes=PARTITION))
           for r in range(2)]  # fmt: skip
     try:
+        yield rt
+    finally:
+        for r in rt:
+            r.close()
+
+
+@pytest.mark.timeout(60)
+def test_retried_push_from_a_slot_is_counted_once(start_servers):
+    (server,) = start_servers(1, 2)
+    with two_workers(server) as rt:
         x = np.full(100, 3.0, np.float32)
         lane = rt[0]._lanes[0]
         slot = lane.pool.take(x.nbytes)
@@ -157,9 +168,6 @@ def test_retried_push_from_a_slot_is_counted_once(start_servers):
         # a pull without a slot gets the same sum in the reply
         payload = rt[1]._lanes[0].client.pull(other, time.monotonic() + 10)
         np.testing.assert_array_equal(np.frombuffer(payload, x.dtype), 2 * x)
-    finally:
-        for r in rt:
-            r.close()
 
 
 @pytest.mark.timeout(60)
@@ -167,10 +175,7 @@ def test_replayed_push_pull_is_counted_once(start_servers):
     # PushPull (push from a slot and pull into it in one call) replayed
     # before and after the round completes, and after it was freed.
     (server,) = start_servers(1, 2)
-    rt = [Runtime(Config(servers=(server.address,), num_workers=2,
-                         worker_rank=r, partition_bytes=PARTITION))
-          for r in range(2)]  # fmt: skip
-    try:
+    with two_workers(server) as rt:
         xs = [np.full(100, 3.0 * (r + 1), np.float32) for r in range(2)]
         lanes = [r._lanes[0] for r in rt]
         slots = [lane.pool.take(x.nbytes) for lane, x in zip(lanes, xs)]
@@ -201,9 +206,6 @@ def test_replayed_push_pull_is_counted_once(start_servers):
         request = _codec.encode_push(bad, np.ones(100, np.float32), 7)
         with pytest.raises(errors.RequestRejectedError, match="no shared-m"):
             client._call(client._push_pull, request, soon, bad, "push_pull")
-    finally:
-        for r in rt:
-            r.close()
 
 
 def test_codec_rejects_a_slot_that_is_not_a_message():
