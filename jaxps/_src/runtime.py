@@ -146,6 +146,7 @@ class _Sender:
     def __init__(self, credit: int, threads: int):
         self.credit = credit
         self.in_flight = 0
+        self._blocked = 0  # sender threads waiting for a round
         self._cv = threading.Condition()
         self._take = threading.Lock()
         self.queue: queue.PriorityQueue = queue.PriorityQueue()
@@ -177,6 +178,20 @@ class _Sender:
             self.in_flight -= nbytes
             self._cv.notify_all()
 
+    def may_block(self) -> bool:
+        """Whether the calling sender thread may wait for a round (and
+        counts it as waiting until `unblock`): only while another sender
+        thread stays free to send the chunks other workers wait for."""
+        with self._cv:
+            if self._blocked + 1 < len(self.threads):
+                self._blocked += 1
+                return True
+            return False
+
+    def unblock(self) -> None:
+        with self._cv:
+            self._blocked -= 1
+
     def _send_loop(self) -> None:
         while True:
             with self._take:  # credit is taken in priority order
@@ -196,7 +211,7 @@ class _Sender:
                 except errors.JaxpsError as err:
                     chunk.handle.fail(err)
                     continue
-            chunk.lane.send(chunk, self.release)
+            chunk.lane.send(chunk, self)
 
     def stop(self) -> None:
         for _ in self.threads:
@@ -229,53 +244,78 @@ class _Lane:
             )  # fmt: skip
         return end
 
-    def send(self, chunk: _Chunk, release) -> None:
-        """Pushes `chunk`, calls ``release(nbytes)`` and starts its pull.
+    def send(self, chunk: _Chunk, sender: _Sender) -> None:
+        """Pushes `chunk` (its credit is taken) and pulls its sum.
 
-        A chunk in a shared-memory slot goes in one PushPull call that does
-        not wait: the bytes are already where the server reads them.
+        A chunk in a shared-memory slot needs no credit (no bytes cross a
+        network) and goes in one PushPull call; the sender thread waits for
+        it if `sender` allows, the cheapest way, else it is a future.
         """
-        timeout = self.client.timeout
-        h, source = chunk.header, chunk.source
         pushed = self._span("queue", chunk.queued, chunk)
         slot = None if self.pool is None else self.pool.take(chunk.nbytes)
-        ref = None
-        try:
-            if slot is not None:
-                np.copyto(slot.array(source.dtype, source.size), source)
-                ref = slot.ref
-                future = self.client.push_pull_future(
-                    h,
-                    fingerprint(source),
-                    time.monotonic() + pull_deadline(timeout),
-                    ref,
-                )
+        if slot is None:
+            self._push_then_pull(chunk, sender.release, pushed)
+            return
+        h, source = chunk.header, chunk.source
+        np.copyto(slot.array(source.dtype, source.size), source)
+        sender.release(chunk.nbytes)
+        pulling = self._span("push", pushed, chunk)
+        deadline = time.monotonic() + pull_deadline(self.client.timeout)
+        checksum = fingerprint(source)
+        if sender.may_block():
+            try:
+                self.client.push_pull(h, checksum, deadline, slot.ref)
+            except errors.JaxpsError as err:
+                # the slot is not given back: a late write may land in it
+                chunk.handle.fail(err)
             else:
-                self.client.push(
-                    h, source, fingerprint(source), time.monotonic() + timeout
-                )
-                future = self.client.pull_future(
-                    h, time.monotonic() + pull_deadline(timeout)
-                )
+                self._pulled(chunk, None, pulling, slot)
+            finally:
+                sender.unblock()
+            return
+        try:
+            future = self.client.push_pull_future(h, checksum, deadline,
+                                                  slot.ref)  # fmt: skip
         except errors.JaxpsError as err:
-            # the slot is not given back: a late push may still read it
+            chunk.handle.fail(err)
+            return
+        future.add_done_callback(
+            lambda f: self._pulled(chunk, f, pulling, slot)
+        )
+
+    def _push_then_pull(self, chunk: _Chunk, release, pushed: float) -> None:
+        """Pushes a chunk in a message, gives its credit back once the
+        server has it, and starts its pull."""
+        timeout = self.client.timeout
+        h, source = chunk.header, chunk.source
+        try:
+            self.client.push(
+                h, source, fingerprint(source), time.monotonic() + timeout
+            )
+            future = self.client.pull_future(
+                h, time.monotonic() + pull_deadline(timeout)
+            )
+        except errors.JaxpsError as err:
             chunk.handle.fail(err)
             return
         finally:
             release(chunk.nbytes)
         pulling = self._span("push", pushed, chunk)
         future.add_done_callback(
-            lambda f: self._pulled(chunk, f, pulling, slot)
+            lambda f: self._pulled(chunk, f, pulling, None)
         )
 
     def _pulled(self, chunk: _Chunk, future, pulling: float, slot) -> None:
+        """Writes a chunk's sum into its output: from the reply in `future`,
+        or from `slot` (`future` None: the sum is there already)."""
         h, dest = chunk.header, chunk.dest
         ref = None if slot is None else slot.ref
         try:
-            try:
-                payload = self.client.decode_pull(future.result(), h, ref)
-            except grpc.RpcError as err:
-                payload = self._retry_pull(chunk, err, ref)
+            if future is not None:
+                try:
+                    payload = self.client.decode_pull(future.result(), h, ref)
+                except grpc.RpcError as err:
+                    payload = self._retry_pull(chunk, err, ref)
             if slot is not None:
                 data = slot.array(dest.dtype, dest.size)
             else:

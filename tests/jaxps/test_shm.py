@@ -132,10 +132,11 @@ def test_attach_checks_name_size_and_token(start_servers):
 
 
 @contextlib.contextmanager
-def two_workers(server):
+def two_workers(server, timeout=30.0):
     """Runtimes of ranks 0 and 1 of a 2-worker job on `server`."""
     rt = [Runtime(Config(servers=(server.address,), num_workers=2,
-                         worker_rank=r, partition_bytes=PARTITION))
+                         worker_rank=r, partition_bytes=PARTITION,
+                         timeout=timeout))
           for r in range(2)]  # fmt: skip
     try:
         yield rt
@@ -206,6 +207,28 @@ def test_replayed_push_pull_is_counted_once(start_servers):
         request = _codec.encode_push(bad, np.ones(100, np.float32), 7)
         with pytest.raises(errors.RequestRejectedError, match="no shared-m"):
             client._call(client._push_pull, request, soon, bad, "push_pull")
+
+
+@pytest.mark.timeout(60)
+def test_opposite_orders_do_not_deadlock(start_servers):
+    # A sender thread waits for its PushPull's round only while another
+    # sender thread stays free. Here each worker has 2 sender threads and
+    # queues six one-chunk push_pulls in the other worker's reverse order:
+    # if both threads waited, each worker would wait for chunks the other
+    # has not sent.
+    (server,) = start_servers(1, 2)
+    with two_workers(server, timeout=5.0) as rt:
+        assert all(len(r._sender.threads) == 2 for r in rt)
+        names = [f"t{i}" for i in range(6)]
+        x = np.arange(1000, dtype=np.float32)
+        handles = [
+            [r.push_pull_async([n], [x * (rank + 1)], average=False)
+             for n in (names if rank == 0 else names[::-1])]
+            for rank, r in enumerate(rt)
+        ]  # fmt: skip
+        for per_rank in handles:
+            for handle in per_rank:
+                np.testing.assert_array_equal(handle.wait(20)[0], 3 * x)
 
 
 def test_codec_rejects_a_slot_that_is_not_a_message():
