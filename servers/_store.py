@@ -26,6 +26,19 @@ import numpy as np
 
 from . import _wire
 
+try:  # optional: built from _sum.c where a C compiler was found
+    from . import _sum
+except ImportError:
+    _sum = None
+
+#: Dtypes `_sum.add` sums with streaming stores, by its kind code.
+_STREAMED = {
+    np.dtype(np.float32): "f4",
+    np.dtype(np.float64): "f8",
+    np.dtype(np.int32): "i4",
+    np.dtype(np.int64): "i8",
+}
+
 # Half-precision payloads are accumulated in float32 and cast back once.
 _ACCUMULATOR = {
     np.dtype(np.float16): np.dtype(np.float32),
@@ -177,10 +190,29 @@ def _sum_into(rnd: Round, parts: list, lent: list[bool]) -> np.ndarray:
         if out is not parts[0]:
             np.copyto(out, parts[0], casting="unsafe")
         return out
-    np.add(parts[0], parts[1], out=out, dtype=out.dtype, casting="unsafe")
+    if out is acc:
+        _add_into(parts[0], parts[1], acc)
+    else:  # in place in a lent slot
+        np.add(parts[0], parts[1], out=out, dtype=out.dtype, casting="unsafe")
     for part in parts[2:]:
         np.add(out, part, out=out, casting="unsafe")
     return out
+
+
+def _add_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """``out = a + b`` into a third array (an accumulator, most likely not
+    in the cache), with streaming stores where `_sum` is built: ordinary
+    stores would first read every line of `out`."""
+    kind = _STREAMED.get(out.dtype)
+    if (
+        _sum is not None
+        and _sum.NONTEMPORAL
+        and kind is not None
+        and a.dtype == b.dtype == out.dtype
+    ):
+        _sum.add(kind, a, b, out)
+    else:
+        np.add(a, b, out=out, dtype=out.dtype, casting="unsafe")
 
 
 #: Block of `_add_and_copy`: the copies read it from the core's cache.
