@@ -32,6 +32,15 @@ _CODES = {
 INLINE_SUM_BYTES = 256 * 1024
 
 
+def _chunk(h: pb.Header) -> dict:
+    """The header fields that name a chunk's round, as the store's
+    keyword arguments."""
+    return dict(
+        key=h.key, round=h.round, rank=h.rank, dtype_code=h.dtype,
+        length=h.length,
+    )  # fmt: skip
+
+
 def _decode(message_type, data: bytes):
     try:
         return message_type.FromString(data)
@@ -221,11 +230,7 @@ class SummationServicer:
         if slot is not None:
             payload = self._slot(h, slot)
         ticket = self.store.begin_push(
-            key=h.key,
-            round=h.round,
-            rank=h.rank,
-            dtype_code=h.dtype,
-            length=h.length,
+            **_chunk(h),
             payload=payload,
             checksum=checksum,
             name=h.name,
@@ -282,14 +287,7 @@ class SummationServicer:
         """The encoded PullReply of a rank's round, once it is complete;
         with `target` (a slot), the sum is put there instead."""
         store = self.store
-        rnd, result = store.pull(
-            key=h.key,
-            round=h.round,
-            rank=h.rank,
-            dtype_code=h.dtype,
-            length=h.length,
-            into=target,
-        )
+        rnd, result = store.pull(**_chunk(h), into=target)
         if result is None:
             await self._wait(rnd, context)
             store.fail_if_late(h.key, rnd, time.monotonic())
