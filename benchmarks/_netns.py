@@ -42,6 +42,22 @@ BRIDGE = "br0"
 QDISCS = ("tbf", "htb")
 
 
+#: The line a jaxps server prints once it serves.
+SERVER_READY = "jaxps-server listening on "
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The parent's environment without JAXPS_* and XLA_FLAGS, plus extra."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("JAXPS_") and k != "XLA_FLAGS"
+    }
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
 def sh(*argv: str, timeout: float = 20.0, check: bool = True) -> str:
     """Runs a command; returns its stdout, raising with stderr on failure."""
     try:

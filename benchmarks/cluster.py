@@ -51,11 +51,10 @@ import tempfile
 import time
 
 import _netns
-from _netns import Proc
+from _netns import SERVER_READY, Proc, child_env
 
 RESULT = "RESULT "
 READY = "READY"
-SERVER_READY = "jaxps-server listening on "
 DEFAULTS = {"mb": 25.0, "repeats": 5, "configs": "4,0;4,2;4,4"}
 QUICK = {"mb": 4.0, "repeats": 1, "configs": "4,2"}
 BASE_PORT = 9000
@@ -233,18 +232,6 @@ CHILDREN = {
 
 
 # -- the parent: builds the cluster, starts the children, reports ----------
-
-
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The parent's environment without JAXPS_* and XLA_FLAGS, plus extra."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("JAXPS_") and k != "XLA_FLAGS"
-    }
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra or {})
-    return env
 
 
 def child_argv(role: str, *extra: str) -> list[str]:

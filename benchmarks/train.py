@@ -284,10 +284,8 @@ def run_on_cluster(args, label, workers, servers, child_argv, env,
 
     cluster = args.emulated
     args.port += 1  # a fresh port: never one of a dying server
-    base = {k: v for k, v in os.environ.items()
-            if not k.startswith("JAXPS_") and k != "XLA_FLAGS"}
-    base.update(env, PYTHONUNBUFFERED="1",
-                JAXPS_TIMEOUT=str(args.jaxps_timeout))
+    base = _netns.child_env(
+        dict(env, JAXPS_TIMEOUT=str(args.jaxps_timeout)))
     procs: list = []
     try:
         for host in cluster.servers[:servers]:
@@ -298,7 +296,7 @@ def run_on_cluster(args, label, workers, servers, child_argv, env,
                                      tmp, base))
         deadline = time.monotonic() + 60
         for proc in procs:
-            proc.wait_for_line("jaxps-server listening on ", deadline)
+            proc.wait_for_line(_netns.SERVER_READY, deadline)
         addresses = ",".join(f"{h.ip}:{args.port}"
                              for h in cluster.servers[:servers])
         ranks = []
