@@ -436,9 +436,7 @@ class Store:
             out = np.frombuffer(into, rnd.total.dtype, rnd.total.size)
             if own is None:
                 np.copyto(out, rnd.total)
-            elif own.__array_interface__["data"] != out.__array_interface__[
-                "data"
-            ]:
+            elif own.ctypes.data != out.ctypes.data:  # not the same slot
                 raise StoreError(
                     "INVALID_ARGUMENT",
                     f"rank {rank} pushed round {rnd.number} of key "
