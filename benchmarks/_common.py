@@ -33,21 +33,31 @@ def free_port() -> int:
 class Child:
     """A child process whose stdout and stderr go to files in `log_dir`."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_dir: str,
-                 env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_dir: str,
+        env: dict[str, str] | None = None,
+    ):
         self.name = name
         self.argv = list(argv)
         self.out_path = os.path.join(log_dir, f"{name}.out")
         self.err_path = os.path.join(log_dir, f"{name}.err")
         full_env = dict(os.environ)
         full_env.update(env or {})
-        with open(self.out_path, "wb") as out, open(self.err_path,
-                                                     "wb") as err:
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
             # cwd: so that ``-m`` does not import packages from the caller's
             # directory instead of the installed ones.
             self.proc = subprocess.Popen(
-                self.argv, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                env=full_env, cwd=log_dir, start_new_session=True)
+                self.argv,
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                env=full_env,
+                cwd=log_dir,
+                start_new_session=True,
+            )
 
     def stdout(self) -> str:
         """Everything the child printed on stdout so far."""
@@ -65,14 +75,17 @@ class Child:
         while time.monotonic() < deadline:
             for line in self.stdout().splitlines():
                 if line.startswith(prefix):
-                    return line[len(prefix):].strip()
+                    return line[len(prefix) :].strip()
             if self.proc.poll() is not None:
                 raise RuntimeError(
                     f"{self.name} exited with {self.proc.returncode} before "
-                    f"printing {prefix!r}:\n{self.stderr_tail()}")
+                    f"printing {prefix!r}:\n{self.stderr_tail()}"
+                )
             time.sleep(0.05)
-        raise TimeoutError(f"{self.name} did not print {prefix!r} within "
-                           f"{timeout:g} s:\n{self.stderr_tail()}")
+        raise TimeoutError(
+            f"{self.name} did not print {prefix!r} within "
+            f"{timeout:g} s:\n{self.stderr_tail()}"
+        )
 
     def stop(self, grace: float = 5.0) -> None:
         """SIGTERM to the child's process group, SIGKILL after `grace` s."""
@@ -112,10 +125,12 @@ def wait_all(procs: Sequence[Child], timeout: float) -> None:
         except subprocess.TimeoutExpired:
             raise TimeoutError(
                 f"{child.name} did not finish within {timeout:g} s:\n"
-                f"{child.stderr_tail()}") from None
+                f"{child.stderr_tail()}"
+            ) from None
         if code != 0:
-            raise RuntimeError(f"{child.name} exited with {code}:\n"
-                               f"{child.stderr_tail()}")
+            raise RuntimeError(
+                f"{child.name} exited with {code}:\n{child.stderr_tail()}"
+            )
 
 
 def median(values: Sequence[float]) -> float:
@@ -169,21 +184,34 @@ def log(message: str) -> None:
 
 def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """Formats rows as a Markdown table; the first column is left-aligned."""
-    widths = [max(len(str(r[i])) for r in [header, *rows])
-              for i in range(len(header))]
+    widths = [
+        max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))
+    ]
 
     def line(cells):
-        return "| " + " | ".join(
-            str(c).ljust(w) if i == 0 else str(c).rjust(w)
-            for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+        return (
+            "| "
+            + " | ".join(
+                str(c).ljust(w) if i == 0 else str(c).rjust(w)
+                for i, (c, w) in enumerate(zip(cells, widths))
+            )
+            + " |"
+        )
 
-    rule = "|" + "|".join(("-" * (w + 2)) if i == 0 else ("-" * (w + 1) + ":")
-                          for i, w in enumerate(widths)) + "|"
+    rule = (
+        "|"
+        + "|".join(
+            ("-" * (w + 2)) if i == 0 else ("-" * (w + 1) + ":")
+            for i, w in enumerate(widths)
+        )
+        + "|"
+    )
     return "\n".join([line(header), rule] + [line(r) for r in rows])
 
 
-def top_frames(raw_path: str, count: int = 12,
-               exclude: Sequence[str] = ()) -> list[tuple[str, float]]:
+def top_frames(
+    raw_path: str, count: int = 12, exclude: Sequence[str] = ()
+) -> list[tuple[str, float]]:
     """Reads a py-spy ``--format raw`` file; returns the hottest leaf frames.
 
     Each line of the file is ``frame;frame;...;leaf COUNT``. A frame is

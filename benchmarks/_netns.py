@@ -250,18 +250,57 @@ class Cluster:
             self._add_namespace(host.ns)
             # Created in the hub with the peer straight in the host: the root
             # namespace never sees either end.
-            sh("ip", "-n", self.hub, "link", "add", host.port_name, "mtu",
-               str(self.mtu), "type", "veth", "peer", "name", "eth0", "mtu",
-               str(self.mtu), "netns", host.ns)  # fmt: skip
-            sh("ip", "-n", self.hub, "link", "set", host.port_name, "master",
-               BRIDGE)  # fmt: skip
+            sh(
+                "ip",
+                "-n",
+                self.hub,
+                "link",
+                "add",
+                host.port_name,
+                "mtu",
+                str(self.mtu),
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "mtu",
+                str(self.mtu),
+                "netns",
+                host.ns,
+            )
+            sh(
+                "ip",
+                "-n",
+                self.hub,
+                "link",
+                "set",
+                host.port_name,
+                "master",
+                BRIDGE,
+            )
             sh("ip", "-n", self.hub, "link", "set", host.port_name, "up")
-            sh("ip", "-n", host.ns, "addr", "add", f"{host.ip}/{PREFIX_LEN}",
-               "dev", "eth0")  # fmt: skip
+            sh(
+                "ip",
+                "-n",
+                host.ns,
+                "addr",
+                "add",
+                f"{host.ip}/{PREFIX_LEN}",
+                "dev",
+                "eth0",
+            )
             sh("ip", "-n", host.ns, "link", "set", "eth0", "up")
             for key, value in self.sysctls.items():
-                sh("ip", "netns", "exec", host.ns, "sysctl", "-qw",
-                   f"{key}={value}")  # fmt: skip
+                sh(
+                    "ip",
+                    "netns",
+                    "exec",
+                    host.ns,
+                    "sysctl",
+                    "-qw",
+                    f"{key}={value}",
+                )
             # Egress of both ends: host -> switch and switch -> host.
             self.shape(host.ns, "eth0")
             self.shape(self.hub, host.port_name)
@@ -269,8 +308,17 @@ class Cluster:
     def shape(self, ns: str, dev: str) -> None:
         """Limits the egress of `dev` in `ns` to the link rate."""
         if self.qdisc == "tbf":
-            sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root",
-               *self.tbf_args())  # fmt: skip
+            sh(
+                "tc",
+                "-n",
+                ns,
+                "qdisc",
+                "replace",
+                "dev",
+                dev,
+                "root",
+                *self.tbf_args(),
+            )
             return
         # htb: one class at the rate, split into a class for packets under
         # 128 bytes (pure ACKs, HTTP/2 control frames) served first and one
@@ -280,22 +328,96 @@ class Cluster:
         rate = f"{self.rate_mbit:g}mbit"
         burst = str(self.burst_bytes)
         tc = ["tc", "-n", ns]
-        sh(*tc, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb",
-           "default", "20")  # fmt: skip
-        sh(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1",
-           "htb", "rate", rate, "burst", burst, "cburst", burst)  # fmt: skip
+        sh(
+            *tc,
+            "qdisc",
+            "replace",
+            "dev",
+            dev,
+            "root",
+            "handle",
+            "1:",
+            "htb",
+            "default",
+            "20",
+        )
+        sh(
+            *tc,
+            "class",
+            "add",
+            "dev",
+            dev,
+            "parent",
+            "1:",
+            "classid",
+            "1:1",
+            "htb",
+            "rate",
+            rate,
+            "burst",
+            burst,
+            "cburst",
+            burst,
+        )
         for classid, prio, share in (("1:10", "0", 0.05), ("1:20", "1", 0.95)):
-            sh(*tc, "class", "add", "dev", dev, "parent", "1:1", "classid",
-               classid, "htb", "rate", f"{self.rate_mbit * share:g}mbit",
-               "ceil", rate, "prio", prio, "burst", burst, "cburst",
-               burst)  # fmt: skip
+            sh(
+                *tc,
+                "class",
+                "add",
+                "dev",
+                dev,
+                "parent",
+                "1:1",
+                "classid",
+                classid,
+                "htb",
+                "rate",
+                f"{self.rate_mbit * share:g}mbit",
+                "ceil",
+                rate,
+                "prio",
+                prio,
+                "burst",
+                burst,
+                "cburst",
+                burst,
+            )
         limit = int(self.rate_bytes * self.queue_ms / 1000) + self.burst_bytes
-        sh(*tc, "qdisc", "add", "dev", dev, "parent", "1:20", "bfifo",
-           "limit", str(limit))  # fmt: skip
+        sh(
+            *tc,
+            "qdisc",
+            "add",
+            "dev",
+            dev,
+            "parent",
+            "1:20",
+            "bfifo",
+            "limit",
+            str(limit),
+        )
         # IPv4 total length (bytes 2-3 of the header) < 128.
-        sh(*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip",
-           "prio", "1", "u32", "match", "u16", "0x0000", "0xff80", "at", "2",
-           "flowid", "1:10")  # fmt: skip
+        sh(
+            *tc,
+            "filter",
+            "add",
+            "dev",
+            dev,
+            "parent",
+            "1:",
+            "protocol",
+            "ip",
+            "prio",
+            "1",
+            "u32",
+            "match",
+            "u16",
+            "0x0000",
+            "0xff80",
+            "at",
+            "2",
+            "flowid",
+            "1:10",
+        )
 
     def _add_namespace(self, ns: str) -> None:
         sh("ip", "netns", "add", ns)

@@ -290,14 +290,36 @@ class Bench:
         src, dst = hosts[0], hosts[1]
         port = self.next_port()
         size = str(GOODPUT_BYTES)
-        sink = Proc("goodput-sink", dst.ns, child_argv(
-            "sink", "--my-ip", dst.ip, "--port", str(port), "--bytes", size,
-        ), self.log_dir, child_env())  # fmt: skip
+        sink = Proc(
+            "goodput-sink",
+            dst.ns,
+            child_argv(
+                "sink",
+                "--my-ip",
+                dst.ip,
+                "--port",
+                str(port),
+                "--bytes",
+                size,
+            ),
+            self.log_dir,
+            child_env(),
+        )
         try:
             sink.wait_for_line(READY, time.monotonic() + 30)
-            source = Proc("goodput-source", src.ns, child_argv(
-                "source", "--connect", f"{dst.ip}:{port}", "--bytes", size,
-            ), self.log_dir, child_env())  # fmt: skip
+            source = Proc(
+                "goodput-source",
+                src.ns,
+                child_argv(
+                    "source",
+                    "--connect",
+                    f"{dst.ip}:{port}",
+                    "--bytes",
+                    size,
+                ),
+                self.log_dir,
+                child_env(),
+            )
             try:
                 _netns.wait_all([sink, source], time.monotonic() + 60)
             finally:
@@ -310,17 +332,29 @@ class Bench:
         """One jaxps run: k CPU servers (+ n colocated), n workers."""
         label = f"{'mixed' if colocated else 'plain'}-{n}-{k}"
         port = str(self.next_port())
-        placed = [(h, f"{label}-server-{h.role}") for h in
-                  self.cluster.servers[:k]]  # fmt: skip
+        placed = [
+            (h, f"{label}-server-{h.role}") for h in self.cluster.servers[:k]
+        ]
         if colocated:
-            placed += [(h, f"{label}-coloc-{h.role}") for h in
-                       self.cluster.workers[:n]]  # fmt: skip
+            placed += [
+                (h, f"{label}-coloc-{h.role}") for h in self.cluster.workers[:n]
+            ]
         servers, workers = [], []
         try:
             for host, name in placed:
-                argv = [sys.executable, "-m", "jaxps.servers", "--host",
-                        host.ip, "--port", port, "--num-workers", str(n),
-                        "--round-timeout", str(JAXPS_TIMEOUT)]  # fmt: skip
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "jaxps.servers",
+                    "--host",
+                    host.ip,
+                    "--port",
+                    port,
+                    "--num-workers",
+                    str(n),
+                    "--round-timeout",
+                    str(JAXPS_TIMEOUT),
+                ]
                 servers.append(
                     Proc(name, host.ns, argv, self.log_dir, child_env())
                 )
@@ -332,15 +366,17 @@ class Bench:
                 f"{h.ip}:{port}" for h in self.cluster.workers[:n] if colocated
             ]
             for rank, host in enumerate(self.cluster.workers[:n]):
-                env = child_env({
-                    "JAXPS_SERVERS": ",".join(cpu),
-                    "JAXPS_COLOCATED_SERVERS": ",".join(coloc),
-                    "JAXPS_NUM_WORKERS": str(n),
-                    "JAXPS_WORKER_RANK": str(rank),
-                    "JAXPS_TIMEOUT": str(JAXPS_TIMEOUT),
-                    "JAXPS_JOB_ID": label,
-                    "JAXPS_PARTITION_BYTES": str(self.args.partition_bytes),
-                })  # fmt: skip
+                env = child_env(
+                    {
+                        "JAXPS_SERVERS": ",".join(cpu),
+                        "JAXPS_COLOCATED_SERVERS": ",".join(coloc),
+                        "JAXPS_NUM_WORKERS": str(n),
+                        "JAXPS_WORKER_RANK": str(rank),
+                        "JAXPS_TIMEOUT": str(JAXPS_TIMEOUT),
+                        "JAXPS_JOB_ID": label,
+                        "JAXPS_PARTITION_BYTES": str(self.args.partition_bytes),
+                    }
+                )
                 argv = child_argv(
                     "jaxps",
                     "--elements",
@@ -350,8 +386,15 @@ class Bench:
                     "--credit-bytes",
                     str(self.args.credit_bytes),
                 )
-                workers.append(Proc(f"{label}-worker-{host.role}", host.ns,
-                                    argv, self.log_dir, env))  # fmt: skip
+                workers.append(
+                    Proc(
+                        f"{label}-worker-{host.role}",
+                        host.ns,
+                        argv,
+                        self.log_dir,
+                        env,
+                    )
+                )
             _netns.wait_all(workers, time.monotonic() + self.run_timeout)
         finally:
             for proc in workers + servers:
@@ -369,13 +412,29 @@ class Bench:
         try:
             for rank, host in enumerate(self.cluster.workers[:n]):
                 argv = child_argv(
-                    "gloo", "--rank", str(rank), "--num-workers", str(n),
-                    "--coordinator", coordinator, "--my-ip", host.ip,
-                    "--elements", str(self.args.elements),
-                    "--repeats", str(self.args.repeats),
-                )  # fmt: skip
-                workers.append(Proc(f"ring-{n}-{host.role}", host.ns, argv,
-                                    self.log_dir, child_env()))  # fmt: skip
+                    "gloo",
+                    "--rank",
+                    str(rank),
+                    "--num-workers",
+                    str(n),
+                    "--coordinator",
+                    coordinator,
+                    "--my-ip",
+                    host.ip,
+                    "--elements",
+                    str(self.args.elements),
+                    "--repeats",
+                    str(self.args.repeats),
+                )
+                workers.append(
+                    Proc(
+                        f"ring-{n}-{host.role}",
+                        host.ns,
+                        argv,
+                        self.log_dir,
+                        child_env(),
+                    )
+                )
             _netns.wait_all(workers, time.monotonic() + self.run_timeout)
         finally:
             for proc in workers:
@@ -391,12 +450,15 @@ def _warn_dropped_connections(procs: list[Proc]) -> None:
         with open(proc.err_path, errors="replace") as f:
             count = sum("ping_timeout" in line for line in f)
         if count:
-            log(f"  warning: {proc.name} logged {count} connection(s) "
-                "closed by a keepalive ping timeout")  # fmt: skip
+            log(
+                f"  warning: {proc.name} logged {count} connection(s) "
+                "closed by a keepalive ping timeout"
+            )
 
 
-def plan_link_bytes(n: int, k: int, model_bytes: int, partition: int,
-                    colocated: bool) -> int:  # fmt: skip
+def plan_link_bytes(
+    n: int, k: int, model_bytes: int, partition: int, colocated: bool
+) -> int:
     """Bytes on the busiest link (each way) for jaxps' chunk assignment."""
     from jaxps._src import plan, topology
 
@@ -405,9 +467,14 @@ def plan_link_bytes(n: int, k: int, model_bytes: int, partition: int,
     else:
         weights = [1.0] * k
     pieces = plan.make_plan(
-        ["x"], [model_bytes // 4], ["<f4"], [4], [0],
-        partition_bytes=partition, weights=weights,
-    )  # fmt: skip
+        ["x"],
+        [model_bytes // 4],
+        ["<f4"],
+        [4],
+        [0],
+        partition_bytes=partition,
+        weights=weights,
+    )
     share = [0] * len(weights)
     for piece in pieces:
         share[piece.server] += piece.length * 4
@@ -499,8 +566,16 @@ def print_report(args, cluster, goodput, rows, ring, cpu) -> None:
         f"M = {m / 1e6:g} MB float32, partition {args.partition_bytes} B, "
         f"median of {args.repeats} after 1 warm-up; seconds\n"
     )
-    header = ["config (n,k)", "jaxps", "t_opt", "jaxps/t_opt", "plan bound",
-              "ring", "speedup vs ring", "plain PS"]  # fmt: skip
+    header = [
+        "config (n,k)",
+        "jaxps",
+        "t_opt",
+        "jaxps/t_opt",
+        "plan bound",
+        "ring",
+        "speedup vs ring",
+        "plain PS",
+    ]
     table = []
     for (n, k), row in rows.items():
         t = statistics.median(row["mixed"]["times"])
@@ -508,12 +583,20 @@ def print_report(args, cluster, goodput, rows, ring, cpu) -> None:
         bound = plan_link_bytes(n, k, m, args.partition_bytes, True)
         r = statistics.median(ring[n]["times"]) if n in ring else None
         plain = row.get("plain")
-        table.append([
-            f"({n},{k})", fmt(t), fmt(topt), f"{t / topt:.2f}",
-            fmt(bound / bandwidth), fmt(r),
-            "-" if r is None else f"{r / t:.2f}x",
-            "-" if plain is None else fmt(statistics.median(plain["times"])),
-        ])  # fmt: skip
+        table.append(
+            [
+                f"({n},{k})",
+                fmt(t),
+                fmt(topt),
+                f"{t / topt:.2f}",
+                fmt(bound / bandwidth),
+                fmt(r),
+                "-" if r is None else f"{r / t:.2f}x",
+                "-"
+                if plain is None
+                else fmt(statistics.median(plain["times"])),
+            ]
+        )
     print(markdown(header, table))
     ideals = [
         f"n={n}: ring ideal 2(n-1)M/(nB) = "
@@ -540,8 +623,9 @@ def print_report(args, cluster, goodput, rows, ring, cpu) -> None:
             rows[(n, k)]["mixed"]["times"]
         )
         verdict = "met" if speedup >= 1.4 else "MISSED"
-        print(f"- ({n},{k}) >= 1.4x faster than ring: {verdict} "
-              f"({speedup:.2f}x)")  # fmt: skip
+        print(
+            f"- ({n},{k}) >= 1.4x faster than ring: {verdict} ({speedup:.2f}x)"
+        )
     at2 = [(n, k) for (n, k) in rows if k == 2]
     if not at2:
         print("- mixed faster than plain PS at k=2: n/a (no k=2 config run)")
@@ -552,8 +636,10 @@ def print_report(args, cluster, goodput, rows, ring, cpu) -> None:
             continue
         plain = statistics.median(rows[(n, k)]["plain"]["times"])
         verdict = "met" if mixed < plain else "MISSED"
-        print(f"- ({n},{k}) mixed faster than plain PS: {verdict} "
-              f"({plain / mixed:.2f}x)")  # fmt: skip
+        print(
+            f"- ({n},{k}) mixed faster than plain PS: {verdict} "
+            f"({plain / mixed:.2f}x)"
+        )
 
 
 def markdown(header, rows) -> str:
@@ -562,10 +648,14 @@ def markdown(header, rows) -> str:
     ]
     lines = []
     for cells in [header, *rows]:
-        lines.append("| " + " | ".join(
-            str(c).ljust(w) if i == 0 else str(c).rjust(w)
-            for i, (c, w) in enumerate(zip(cells, widths))
-        ) + " |")  # fmt: skip
+        lines.append(
+            "| "
+            + " | ".join(
+                str(c).ljust(w) if i == 0 else str(c).rjust(w)
+                for i, (c, w) in enumerate(zip(cells, widths))
+            )
+            + " |"
+        )
     rule = "|" + "|".join(
         "-" * (w + 2) if i == 0 else "-" * (w + 1) + ":"
         for i, w in enumerate(widths)
@@ -735,8 +825,10 @@ def main(argv=None) -> int:
     ok = False
     cpu = CpuMeter()
     try:
-        log(f"building {len(cluster.hosts)} hosts at {args.rate_mbit:g} "
-            f"Mbit/s ({cluster.prefix}*), logs in {log_dir}")  # fmt: skip
+        log(
+            f"building {len(cluster.hosts)} hosts at {args.rate_mbit:g} "
+            f"Mbit/s ({cluster.prefix}*), logs in {log_dir}"
+        )
         cluster.up()
         log(f"link: {cluster.shaping()}")
         bench = Bench(cluster, args, log_dir)

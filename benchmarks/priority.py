@@ -54,10 +54,15 @@ def arrivals(
         for layer in reversed(range(layers)):  # backward order
             priority = -layer if prioritized else 0
             handles.append(
-                (layer, rt.push_pull_async(
-                    [f"{mode}/layer{layer}"], [grads[layer]],
-                    priorities=[priority]))
-            )  # fmt: skip
+                (
+                    layer,
+                    rt.push_pull_async(
+                        [f"{mode}/layer{layer}"],
+                        [grads[layer]],
+                        priorities=[priority],
+                    ),
+                )
+            )
 
         def wait(layer, handle):
             handle.wait()

@@ -42,8 +42,12 @@ import numpy as np
 from _common import LOOPBACK, MB, Child, log
 
 BACKENDS = ("jaxps", "jax", "torch", "tcp")
-COLUMNS = {"jaxps": "jaxps", "jax": "jax-gloo", "torch": "torch-gloo",
-           "tcp": "tcp"}
+COLUMNS = {
+    "jaxps": "jaxps",
+    "jax": "jax-gloo",
+    "torch": "torch-gloo",
+    "tcp": "tcp",
+}
 RESULT_PREFIX = "RESULT "
 SERVER_READY = "jaxps-server listening on "
 TORCH_SKIPPED = "skipped (pip install torch==2.13.0)"
@@ -113,22 +117,28 @@ def jaxps_worker(args) -> dict:
 
     def call(size_mb, rep):
         if rep == 0:
-            state["x"], state["expected"] = make_data(size_mb * MB // 4,
-                                                      args.rank)
-        return jaxps.push_pull_numpy(f"bench-{size_mb}mb", state["x"],
-                                     average=False)
+            state["x"], state["expected"] = make_data(
+                size_mb * MB // 4, args.rank
+            )
+        return jaxps.push_pull_numpy(
+            f"bench-{size_mb}mb", state["x"], average=False
+        )
 
     def check(size_mb, rep, y):
         assert np.array_equal(y, state["expected"]), (
             f"jaxps sum of {size_mb} MiB is wrong on rank {args.rank} "
-            f"(repetition {rep})")
+            f"(repetition {rep})"
+        )
 
     try:
         times = time_calls(args.sizes_mb, args.repeats, call, barrier, check)
     finally:
         jaxps.shutdown()
-    return {"times": times, "version": f"{jaxps.__version__} from "
-            f"{os.path.dirname(jaxps.__file__)}"}
+    return {
+        "times": times,
+        "version": f"{jaxps.__version__} from "
+        f"{os.path.dirname(jaxps.__file__)}",
+    }
 
 
 def jax_worker(args) -> dict:
@@ -139,8 +149,11 @@ def jax_worker(args) -> dict:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     address = f"{LOOPBACK}:{args.port}"
     jax.distributed.initialize(
-        coordinator_address=address, coordinator_bind_address=address,
-        num_processes=NUM_WORKERS, process_id=args.rank)
+        coordinator_address=address,
+        coordinator_bind_address=address,
+        num_processes=NUM_WORKERS,
+        process_id=args.rank,
+    )
     from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -149,8 +162,14 @@ def jax_worker(args) -> dict:
     assert len(devices) == NUM_WORKERS, devices
     mesh = Mesh(np.array(devices), ("x",))
     sharding = NamedSharding(mesh, P("x"))
-    psum = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh,
-                                 in_specs=P("x"), out_specs=P("x")))
+    psum = jax.jit(
+        jax.shard_map(
+            lambda v: jax.lax.psum(v, "x"),
+            mesh=mesh,
+            in_specs=P("x"),
+            out_specs=P("x"),
+        )
+    )
     (local_device,) = jax.local_devices()
     state = {}
 
@@ -163,7 +182,8 @@ def jax_worker(args) -> dict:
             x, expected = make_data(n, args.rank)
             shard = jax.device_put(x, local_device)
             state["x"] = jax.make_array_from_single_device_arrays(
-                (NUM_WORKERS * n,), sharding, [shard])
+                (NUM_WORKERS * n,), sharding, [shard]
+            )
             state["expected"] = expected
         return psum(state["x"]).block_until_ready()
 
@@ -185,8 +205,11 @@ def torch_worker(args) -> dict:
     except ImportError as err:
         return {"skipped": str(err)}
     dist.init_process_group(
-        "gloo", init_method=f"tcp://{LOOPBACK}:{args.port}",
-        rank=args.rank, world_size=NUM_WORKERS)
+        "gloo",
+        init_method=f"tcp://{LOOPBACK}:{args.port}",
+        rank=args.rank,
+        world_size=NUM_WORKERS,
+    )
     state = {}
 
     def barrier():
@@ -203,10 +226,12 @@ def torch_worker(args) -> dict:
     times = {}
     for size_mb in args.sizes_mb:
         x, expected = make_data(size_mb * MB // 4, args.rank)
-        state.update(src=torch.from_numpy(x), t=torch.empty_like(
-            torch.from_numpy(x)), expected=torch.from_numpy(expected))
-        times.update(time_calls([size_mb], args.repeats, call, barrier,
-                                check))
+        state.update(
+            src=torch.from_numpy(x),
+            t=torch.empty_like(torch.from_numpy(x)),
+            expected=torch.from_numpy(expected),
+        )
+        times.update(time_calls([size_mb], args.repeats, call, barrier, check))
     dist.destroy_process_group()
     return {"times": times, "version": torch.__version__}
 
@@ -234,8 +259,7 @@ def tcp_worker(args) -> dict:
         if rep == 0:
             state["out"] = np.random.default_rng(0).bytes(nbytes)
             state["back"] = bytearray(nbytes)
-        sender = threading.Thread(target=sock.sendall,
-                                  args=(state["out"],))
+        sender = threading.Thread(target=sock.sendall, args=(state["out"],))
         sender.start()
         _recv_exact(sock, memoryview(state["back"]))
         sender.join()
@@ -282,15 +306,19 @@ def _echo(sock: socket.socket, nbytes: int, buf: memoryview) -> None:
     """Sends back each piece of `nbytes` incoming bytes as it arrives."""
     remaining = nbytes
     while remaining:
-        n = sock.recv_into(buf[:min(remaining, len(buf))])
+        n = sock.recv_into(buf[: min(remaining, len(buf))])
         if n == 0:
             raise ConnectionError("peer closed the connection")
         sock.sendall(buf[:n])
         remaining -= n
 
 
-WORKERS = {"jaxps": jaxps_worker, "jax": jax_worker, "torch": torch_worker,
-           "tcp": tcp_worker}
+WORKERS = {
+    "jaxps": jaxps_worker,
+    "jax": jax_worker,
+    "torch": torch_worker,
+    "tcp": tcp_worker,
+}
 
 
 # -- the parent ------------------------------------------------------------
@@ -298,10 +326,20 @@ WORKERS = {"jaxps": jaxps_worker, "jax": jax_worker, "torch": torch_worker,
 
 def worker_argv(args, role: str, rank: int, port: int) -> list[str]:
     """The command line that runs one worker of `role`."""
-    argv = [sys.executable, os.path.abspath(__file__), "--role", role,
-            "--rank", str(rank), "--port", str(port),
-            "--sizes-mb", ",".join(map(str, args.sizes_mb)),
-            "--repeats", str(args.repeats)]
+    argv = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--role",
+        role,
+        "--rank",
+        str(rank),
+        "--port",
+        str(port),
+        "--sizes-mb",
+        ",".join(map(str, args.sizes_mb)),
+        "--repeats",
+        str(args.repeats),
+    ]
     if args.partition_bytes:
         argv += ["--partition-bytes", str(args.partition_bytes)]
     if args.credit_bytes:
@@ -313,12 +351,16 @@ def collect(workers: list[Child]) -> list[dict]:
     """Reads the result line of every finished worker."""
     results = []
     for child in workers:
-        lines = [ln for ln in child.stdout().splitlines()
-                 if ln.startswith(RESULT_PREFIX)]
+        lines = [
+            ln
+            for ln in child.stdout().splitlines()
+            if ln.startswith(RESULT_PREFIX)
+        ]
         if not lines:
-            raise RuntimeError(f"{child.name} printed no result:\n"
-                               f"{child.stderr_tail()}")
-        results.append(json.loads(lines[-1][len(RESULT_PREFIX):]))
+            raise RuntimeError(
+                f"{child.name} printed no result:\n{child.stderr_tail()}"
+            )
+        results.append(json.loads(lines[-1][len(RESULT_PREFIX) :]))
     return results
 
 
@@ -331,21 +373,28 @@ def run_backend(args, backend: str, log_dir: str) -> dict:
     with _common.children() as started:
         if backend == "jaxps":
             servers = start_servers(args, log_dir, started)
-            env.update(JAXPS_SERVERS=",".join(servers),
-                       JAXPS_NUM_WORKERS=str(NUM_WORKERS))
+            env.update(
+                JAXPS_SERVERS=",".join(servers),
+                JAXPS_NUM_WORKERS=str(NUM_WORKERS),
+            )
         port = _common.free_port()
         workers = []
         for rank in range(NUM_WORKERS):
             env_r = dict(env, JAXPS_WORKER_RANK=str(rank))
-            child = Child(f"{backend}-worker{rank}",
-                          worker_argv(args, backend, rank, port), log_dir,
-                          env_r)
+            child = Child(
+                f"{backend}-worker{rank}",
+                worker_argv(args, backend, rank, port),
+                log_dir,
+                env_r,
+            )
             started.append(child)
             workers.append(child)
         spies = []
         if args.profile and backend == "jaxps":
-            spies = [attach_py_spy(c, args.profile, log_dir, args.native)
-                     for c in started]
+            spies = [
+                attach_py_spy(c, args.profile, log_dir, args.native)
+                for c in started
+            ]
             started.extend(spies)  # stopped on failure too
         _common.wait_all(workers, args.timeout)
         results = collect(workers)
@@ -356,8 +405,7 @@ def run_backend(args, backend: str, log_dir: str) -> dict:
         return {"skipped": skipped[0]}
     gbps = {}
     for size_mb in args.sizes_mb:
-        per_rank = [r["times"][str(size_mb)] for r in results
-                    if r["times"]]
+        per_rank = [r["times"][str(size_mb)] for r in results if r["times"]]
         slowest = [max(reps) for reps in zip(*per_rank)]
         gbps[size_mb] = size_mb * MB / _common.median(slowest) / 1e9
     return {"gbps": gbps, "version": results[0].get("version")}
@@ -367,8 +415,15 @@ def start_servers(args, log_dir: str, started: list[Child]) -> list[str]:
     """Starts the jaxps servers; returns their addresses once listening."""
     servers = []
     for i in range(NUM_SERVERS):
-        argv = [sys.executable, "-m", "jaxps.servers", "--port", "0",
-                "--num-workers", str(NUM_WORKERS)]
+        argv = [
+            sys.executable,
+            "-m",
+            "jaxps.servers",
+            "--port",
+            "0",
+            "--num-workers",
+            str(NUM_WORKERS),
+        ]
         if args.engine_threads:
             argv += ["--engine-threads", str(args.engine_threads)]
         child = Child(f"jaxps-server{i}", argv, log_dir)
@@ -380,8 +435,9 @@ def start_servers(args, log_dir: str, started: list[Child]) -> list[str]:
     return addresses
 
 
-def attach_py_spy(target: Child, out_dir: str, log_dir: str,
-                  native: bool) -> Child:
+def attach_py_spy(
+    target: Child, out_dir: str, log_dir: str, native: bool
+) -> Child:
     """Starts py-spy recording `target` into ``out_dir/<name>.txt``.
 
     Without `native` py-spy samples without pausing the target; with it,
@@ -390,10 +446,23 @@ def attach_py_spy(target: Child, out_dir: str, log_dir: str,
     py_spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
     out = os.path.join(out_dir, f"{target.name}.txt")
     mode = ["--native"] if native else ["--nonblocking"]
-    return Child(f"py-spy-{target.name}",
-                 [py_spy, "record", "--pid", str(target.proc.pid),
-                  "--format", "raw", "--rate", "100", *mode,
-                  "--output", out], log_dir)
+    return Child(
+        f"py-spy-{target.name}",
+        [
+            py_spy,
+            "record",
+            "--pid",
+            str(target.proc.pid),
+            "--format",
+            "raw",
+            "--rate",
+            "100",
+            *mode,
+            "--output",
+            out,
+        ],
+        log_dir,
+    )
 
 
 def stop_profiled(started: list[Child], spies: list[Child]) -> None:
@@ -422,8 +491,10 @@ def print_profiles(out_dir: str, count: int = 10) -> None:
     for name in sorted(os.listdir(out_dir)):
         if not name.endswith(".txt"):
             continue
-        print(f"\npy-spy hottest functions (self time) of "
-              f"{name.removesuffix('.txt')}:")
+        print(
+            f"\npy-spy hottest functions (self time) of "
+            f"{name.removesuffix('.txt')}:"
+        )
         path = os.path.join(out_dir, name)
         for frame, share in _common.top_frames(path, count, SETUP_FRAMES):
             print(f"  {share:6.1%}  {frame}")
@@ -436,8 +507,11 @@ def fmt(value: float | None) -> str:
 
 def print_results(args, results: dict[str, dict]) -> None:
     """Prints the bandwidth table and the jaxps ratios."""
-    header = ["size (MiB)"] + [f"{COLUMNS[b]} GB/s" for b in BACKENDS] + [
-        "jaxps/jax-gloo", "jaxps/tcp"]
+    header = (
+        ["size (MiB)"]
+        + [f"{COLUMNS[b]} GB/s" for b in BACKENDS]
+        + ["jaxps/jax-gloo", "jaxps/tcp"]
+    )
     rows = []
     for size_mb in args.sizes_mb:
         row, gbps = [str(size_mb)], {}
@@ -446,8 +520,7 @@ def print_results(args, results: dict[str, dict]) -> None:
             if res is None:
                 row.append("not run")
             elif "skipped" in res:
-                row.append(TORCH_SKIPPED if backend == "torch"
-                           else "skipped")
+                row.append(TORCH_SKIPPED if backend == "torch" else "skipped")
             else:
                 gbps[backend] = res["gbps"][size_mb]
                 row.append(fmt(gbps[backend]))
@@ -462,10 +535,15 @@ def print_results(args, results: dict[str, dict]) -> None:
         version = (results.get(backend) or {}).get("version")
         if version:
             print(f"{COLUMNS[backend]}: {version}")
-    other = [f"{COLUMNS[b]} {results[b]['other_cores']:.2f}"
-             for b in BACKENDS if b in results]
-    print("cores used by other processes meanwhile (0 = undisturbed): "
-          + ", ".join(other))
+    other = [
+        f"{COLUMNS[b]} {results[b]['other_cores']:.2f}"
+        for b in BACKENDS
+        if b in results
+    ]
+    print(
+        "cores used by other processes meanwhile (0 = undisturbed): "
+        + ", ".join(other)
+    )
     torch_res = results.get("torch") or {}
     if "skipped" in torch_res:
         log(f"torch-gloo: {TORCH_SKIPPED}: {torch_res['skipped']}")
@@ -475,31 +553,65 @@ def parse_args(argv=None):
     """Parses and checks the command line (the parent's or a worker's)."""
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes-mb", default="4,64,256",
-                   type=lambda s: [int(x) for x in s.split(",") if x],
-                   help="MiB of float32 per worker (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=10,
-                   help="timed calls per size after 1 warm-up "
-                   "(default %(default)s)")
-    p.add_argument("--backends", default=",".join(BACKENDS),
-                   help="comma-separated subset of %(default)s")
-    p.add_argument("--engine-threads", type=int, default=0,
-                   help="jaxps server summation threads (default: the "
-                   "server's)")
-    p.add_argument("--partition-bytes", type=int, default=0,
-                   help="jaxps chunk size (default: jaxps's)")
-    p.add_argument("--credit-bytes", type=int, default=0,
-                   help="jaxps bytes in flight per server (default: jaxps's)")
-    p.add_argument("--timeout", type=float, default=0,
-                   help="seconds a backend may take (default: from sizes)")
-    p.add_argument("--profile", metavar="DIR",
-                   help="record the jaxps workers and servers with py-spy "
-                   "into DIR and print their hottest functions")
-    p.add_argument("--native", action="store_true",
-                   help="with --profile: sample C/C++ frames too (slower)")
-    p.add_argument("--keep-logs", action="store_true",
-                   help="keep the children's logs and print where")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--sizes-mb",
+        default="4,64,256",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        help="MiB of float32 per worker (default %(default)s)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=10,
+        help="timed calls per size after 1 warm-up (default %(default)s)",
+    )
+    p.add_argument(
+        "--backends",
+        default=",".join(BACKENDS),
+        help="comma-separated subset of %(default)s",
+    )
+    p.add_argument(
+        "--engine-threads",
+        type=int,
+        default=0,
+        help="jaxps server summation threads (default: the server's)",
+    )
+    p.add_argument(
+        "--partition-bytes",
+        type=int,
+        default=0,
+        help="jaxps chunk size (default: jaxps's)",
+    )
+    p.add_argument(
+        "--credit-bytes",
+        type=int,
+        default=0,
+        help="jaxps bytes in flight per server (default: jaxps's)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=0,
+        help="seconds a backend may take (default: from sizes)",
+    )
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="record the jaxps workers and servers with py-spy "
+        "into DIR and print their hottest functions",
+    )
+    p.add_argument(
+        "--native",
+        action="store_true",
+        help="with --profile: sample C/C++ frames too (slower)",
+    )
+    p.add_argument(
+        "--keep-logs",
+        action="store_true",
+        help="keep the children's logs and print where",
+    )
     # Internal: how the parent starts one worker.
     p.add_argument("--role", choices=BACKENDS, help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -526,8 +638,10 @@ def main(argv=None) -> int:
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     log_dir = tempfile.mkdtemp(prefix="jaxps-bench-")
-    log(f"load average before: {_common.load_average()} (over ~0.5: "
-        "something else is running and the figures will be low)")
+    log(
+        f"load average before: {_common.load_average()} (over ~0.5: "
+        "something else is running and the figures will be low)"
+    )
     results = {}
     start = time.monotonic()
     try:

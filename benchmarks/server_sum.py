@@ -51,27 +51,44 @@ def make_payloads(ranks: int, keys: int, chunk: int, writable: bool):
     rng = np.random.default_rng(0)
     out = []
     for _ in range(ranks):
-        arrays = [1 + rng.random(chunk // 4, dtype=np.float32)
-                  for _ in range(keys)]
+        arrays = [
+            1 + rng.random(chunk // 4, dtype=np.float32) for _ in range(keys)
+        ]
         # a slot is a writable byte buffer, a request's payload read-only
-        out.append([memoryview(a).cast("B") if writable else a.tobytes()
-                    for a in arrays])
+        out.append(
+            [
+                memoryview(a).cast("B") if writable else a.tobytes()
+                for a in arrays
+            ]
+        )
     return out
 
 
 class Driver:
     """Runs full rounds of every key through a Store, as the server does."""
 
-    def __init__(self, ranks: int, keys: int, chunk: int, *, lent: bool,
-                 reply: bool, engine_threads: int):
+    def __init__(
+        self,
+        ranks: int,
+        keys: int,
+        chunk: int,
+        *,
+        lent: bool,
+        reply: bool,
+        engine_threads: int,
+    ):
         self.ranks, self.keys, self.lent, self.reply = ranks, keys, lent, reply
         self.store = Store(ranks, engine_threads=engine_threads)
         self.payloads = make_payloads(ranks, keys, chunk, writable=lent)
         self.length = chunk // 4
-        self.engines = [
-            concurrent.futures.ThreadPoolExecutor(1)
-            for _ in range(engine_threads)
-        ] if engine_threads > 1 else []
+        self.engines = (
+            [
+                concurrent.futures.ThreadPoolExecutor(1)
+                for _ in range(engine_threads)
+            ]
+            if engine_threads > 1
+            else []
+        )
         self.round = 0
 
     def run(self, rounds: int) -> None:
@@ -86,9 +103,15 @@ class Driver:
             for rank in range(self.ranks):
                 payload = self.payloads[rank][key]
                 ticket = self.store.begin_push(
-                    key=key, round=self.round, rank=rank, dtype_code=CODE,
-                    length=self.length, payload=payload, checksum=0,
-                    lent=self.lent)
+                    key=key,
+                    round=self.round,
+                    rank=rank,
+                    dtype_code=CODE,
+                    length=self.length,
+                    payload=payload,
+                    checksum=0,
+                    lent=self.lent,
+                )
                 if self.engines:
                     engine = self.engines[ticket.engine]
                     tickets.append((ticket, engine.submit(ticket.run)))
@@ -104,23 +127,40 @@ class Driver:
             for rank in range(self.ranks):
                 into = self.payloads[rank][key] if self.lent else None
                 _, got = self.store.pull(
-                    key=key, round=self.round, rank=rank, dtype_code=CODE,
-                    length=self.length, raw=not self.reply, into=into)
+                    key=key,
+                    round=self.round,
+                    rank=rank,
+                    dtype_code=CODE,
+                    length=self.length,
+                    raw=not self.reply,
+                    into=into,
+                )
                 assert got is not None, f"round {self.round} incomplete"
 
     def check(self) -> None:
         """Checks the sums of one round against numpy."""
-        before = [[np.frombuffer(p, np.float32).copy() for p in rank]
-                  for rank in self.payloads]
+        before = [
+            [np.frombuffer(p, np.float32).copy() for p in rank]
+            for rank in self.payloads
+        ]
         self._push_all()
         for key in range(self.keys):
-            expected = np.sum([before[r][key] for r in range(self.ranks)],
-                              axis=0, dtype=np.float32)
+            expected = np.sum(
+                [before[r][key] for r in range(self.ranks)],
+                axis=0,
+                dtype=np.float32,
+            )
             for rank in range(self.ranks):
                 into = self.payloads[rank][key] if self.lent else None
                 _, got = self.store.pull(
-                    key=key, round=self.round, rank=rank, dtype_code=CODE,
-                    length=self.length, raw=True, into=into)
+                    key=key,
+                    round=self.round,
+                    rank=rank,
+                    dtype_code=CODE,
+                    length=self.length,
+                    raw=True,
+                    into=into,
+                )
                 got = np.frombuffer(got, np.float32)
                 np.testing.assert_allclose(got, expected, rtol=1e-6)
         self.round += 1
@@ -141,12 +181,19 @@ def timed(run, rounds: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def bench_store(args, chunk: int, *, lent: bool, reply: bool,
-                engine_threads: int) -> float:
+def bench_store(
+    args, chunk: int, *, lent: bool, reply: bool, engine_threads: int
+) -> float:
     """GB/s of payload bytes summed by a Store on one path."""
     keys = max(1, args.model_mb * MB // chunk)
-    driver = Driver(args.workers, keys, chunk, lent=lent, reply=reply,
-                    engine_threads=engine_threads)
+    driver = Driver(
+        args.workers,
+        keys,
+        chunk,
+        lent=lent,
+        reply=reply,
+        engine_threads=engine_threads,
+    )
     try:
         driver.check()
         seconds = timed(driver.run, args.rounds, args.repeats)
@@ -159,8 +206,10 @@ def bench_store(args, chunk: int, *, lent: bool, reply: bool,
 def bench_numpy(args, chunk: int) -> float:
     """GB/s of ``np.add(a, b, out=a)`` over the same data, in Store units."""
     keys = max(1, args.model_mb * MB // chunk)
-    a, b = ([np.frombuffer(p, np.float32) for p in arrays]
-            for arrays in make_payloads(2, keys, chunk, writable=True))
+    a, b = (
+        [np.frombuffer(p, np.float32) for p in arrays]
+        for arrays in make_payloads(2, keys, chunk, writable=True)
+    )
 
     def run(rounds):
         for _ in range(rounds):
@@ -183,23 +232,44 @@ PATHS = {
 def parse_args(argv=None):
     """Parses and checks the command line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-mb", type=int, default=64,
-                   help="bytes per rank and round, in MiB (default "
-                   "%(default)s: well beyond the cache)")
-    p.add_argument("--chunk-mb", default="4",
-                   type=lambda s: [int(x) for x in s.split(",") if x],
-                   help="comma-separated chunk sizes in MiB "
-                   "(default %(default)s, the jaxps partition size)")
-    p.add_argument("--workers", type=int, default=2,
-                   help="ranks that push every round (default %(default)s)")
-    p.add_argument("--rounds", type=int, default=5,
-                   help="rounds per timed block (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=5,
-                   help="timed blocks after 1 warm-up (default %(default)s)")
-    p.add_argument("--engine-threads", default="1,2",
-                   type=lambda s: [int(x) for x in s.split(",") if x],
-                   help="comma-separated engine thread counts "
-                   "(default %(default)s)")
+    p.add_argument(
+        "--model-mb",
+        type=int,
+        default=64,
+        help="bytes per rank and round, in MiB (default "
+        "%(default)s: well beyond the cache)",
+    )
+    p.add_argument(
+        "--chunk-mb",
+        default="4",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        help="comma-separated chunk sizes in MiB "
+        "(default %(default)s, the jaxps partition size)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="ranks that push every round (default %(default)s)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="rounds per timed block (default %(default)s)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="timed blocks after 1 warm-up (default %(default)s)",
+    )
+    p.add_argument(
+        "--engine-threads",
+        default="1,2",
+        type=lambda s: [int(x) for x in s.split(",") if x],
+        help="comma-separated engine thread counts (default %(default)s)",
+    )
     args = p.parse_args(argv)
     if args.workers < 2 or args.rounds < 1 or args.repeats < 1:
         p.error("need --workers >= 2, --rounds >= 1 and --repeats >= 1")
@@ -216,8 +286,10 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     """Measures each path and chunk size and prints the table."""
     args = parse_args(argv)
-    log(f"load average before: {load_average()} (over ~0.5: something "
-        "else is running and the figures will be low)")
+    log(
+        f"load average before: {load_average()} (over ~0.5: something "
+        "else is running and the figures will be low)"
+    )
     other = OtherLoad()
     rows = []
     for size_mb in args.chunk_mb:
@@ -225,16 +297,37 @@ def main(argv=None) -> int:
         ref = bench_numpy(args, chunk)
         for name, (lent, reply) in PATHS.items():
             for threads in args.engine_threads:
-                got = bench_store(args, chunk, lent=lent, reply=reply,
-                                  engine_threads=threads)
-                rows.append([name, str(size_mb), str(threads), f"{got:.2f}",
-                             f"{ref:.2f}", f"{got / ref:.2f}"])
-    print(f"cores used by other processes meanwhile (0 = undisturbed): "
-          f"{other.cores():.2f}")
+                got = bench_store(
+                    args, chunk, lent=lent, reply=reply, engine_threads=threads
+                )
+                rows.append(
+                    [
+                        name,
+                        str(size_mb),
+                        str(threads),
+                        f"{got:.2f}",
+                        f"{ref:.2f}",
+                        f"{got / ref:.2f}",
+                    ]
+                )
+    print(
+        f"cores used by other processes meanwhile (0 = undisturbed): "
+        f"{other.cores():.2f}"
+    )
     print(f"{args.workers} ranks, {args.model_mb} MiB per rank and round")
-    print(format_table(["path", "chunk (MiB)", "engine threads",
-                        "Store GB/s", "np.add out= GB/s", "Store/numpy"],
-                       rows))
+    print(
+        format_table(
+            [
+                "path",
+                "chunk (MiB)",
+                "engine threads",
+                "Store GB/s",
+                "np.add out= GB/s",
+                "Store/numpy",
+            ],
+            rows,
+        )
+    )
     return 0
 
 

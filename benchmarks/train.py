@@ -64,43 +64,97 @@ MODELS = ("resnet", "transformer")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", "--model", default=",".join(MODELS),
-                   help="comma-separated: resnet, transformer")
-    p.add_argument("--workers", default="1,2,4",
-                   help="comma-separated worker counts (first should be 1)")
-    p.add_argument("--servers", type=int, default=2,
-                   help="summation servers of the multi-worker runs")
-    p.add_argument("--batch-size", type=int, default=32,
-                   help="batch size per worker")
-    p.add_argument("--iters", type=int, default=5,
-                   help="timed iterations (each --batches-per-iter steps)")
+    p.add_argument(
+        "--models",
+        "--model",
+        default=",".join(MODELS),
+        help="comma-separated: resnet, transformer",
+    )
+    p.add_argument(
+        "--workers",
+        default="1,2,4",
+        help="comma-separated worker counts (first should be 1)",
+    )
+    p.add_argument(
+        "--servers",
+        type=int,
+        default=2,
+        help="summation servers of the multi-worker runs",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=32, help="batch size per worker"
+    )
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=5,
+        help="timed iterations (each --batches-per-iter steps)",
+    )
     p.add_argument("--batches-per-iter", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=2,
-                   help="untimed steps first (they include compilation)")
-    p.add_argument("--run-timeout", type=float, default=150.0,
-                   help="seconds one launch may take")
-    p.add_argument("--budget", type=float, default=300.0,
-                   help="skip runs likely to end after this many seconds")
-    p.add_argument("--jaxps-timeout", type=float, default=120.0,
-                   help="jaxps-launch --timeout (workers compile at "
-                   "different speeds on shared cores)")
-    p.add_argument("--max-other-cores", type=float, default=0.25,
-                   help="repeat a run in which other processes used more "
-                   "cores than this")
-    p.add_argument("--retries", type=int, default=1,
-                   help="how often a disturbed run may be repeated")
-    p.add_argument("--no-compile-cache", dest="compile_cache",
-                   action="store_false",
-                   help="do not share JAX's compilation cache between runs")
-    p.add_argument("--partition-kib", type=int, default=0,
-                   help="JAXPS_PARTITION_BYTES in KiB (default: jaxps' own)")
-    p.add_argument("--cluster", action="store_true",
-                   help="run every worker and server on its own host of an "
-                   "emulated cluster (network namespaces; needs root)")
-    p.add_argument("--rate-mbit", type=float, default=100.0,
-                   help="--cluster: rate of every link, each way")
-    p.add_argument("--mtu", type=int, default=9000,
-                   help="--cluster: MTU of the links")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed steps first (they include compilation)",
+    )
+    p.add_argument(
+        "--run-timeout",
+        type=float,
+        default=150.0,
+        help="seconds one launch may take",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=300.0,
+        help="skip runs likely to end after this many seconds",
+    )
+    p.add_argument(
+        "--jaxps-timeout",
+        type=float,
+        default=120.0,
+        help="jaxps-launch --timeout (workers compile at "
+        "different speeds on shared cores)",
+    )
+    p.add_argument(
+        "--max-other-cores",
+        type=float,
+        default=0.25,
+        help="repeat a run in which other processes used more cores than this",
+    )
+    p.add_argument(
+        "--retries",
+        type=int,
+        default=1,
+        help="how often a disturbed run may be repeated",
+    )
+    p.add_argument(
+        "--no-compile-cache",
+        dest="compile_cache",
+        action="store_false",
+        help="do not share JAX's compilation cache between runs",
+    )
+    p.add_argument(
+        "--partition-kib",
+        type=int,
+        default=0,
+        help="JAXPS_PARTITION_BYTES in KiB (default: jaxps' own)",
+    )
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="run every worker and server on its own host of an "
+        "emulated cluster (network namespaces; needs root)",
+    )
+    p.add_argument(
+        "--rate-mbit",
+        type=float,
+        default=100.0,
+        help="--cluster: rate of every link, each way",
+    )
+    p.add_argument(
+        "--mtu", type=int, default=9000, help="--cluster: MTU of the links"
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--model-name", default="resnet", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -142,7 +196,7 @@ def cpu_seconds(root: int) -> tuple[float, float]:
                 stat = f.read()
         except OSError:
             continue  # already gone
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         parent[int(name)] = int(fields[1])
         ticks[int(name)] = int(fields[11]) + int(fields[12])
     ours = 0
@@ -175,19 +229,30 @@ def child(args: argparse.Namespace) -> None:
         return step(*a, **k)
 
     benchmark.train_step = counted_step
-    rates = benchmark.main([
-        "--model", args.model_name,
-        "--batch-size", str(args.batch_size),
-        "--num-warmup-batches", str(args.warmup),
-        "--num-batches-per-iter", str(args.batches_per_iter),
-        "--num-iters", str(args.iters),
-    ])
+    rates = benchmark.main(
+        [
+            "--model",
+            args.model_name,
+            "--batch-size",
+            str(args.batch_size),
+            "--num-warmup-batches",
+            str(args.warmup),
+            "--num-batches-per-iter",
+            str(args.batches_per_iter),
+            "--num-iters",
+            str(args.iters),
+        ]
+    )
     wall = time.time() - clock["wall"]
-    result = {"rank": rank, "rates": rates,
-              "cores": (time.process_time() - clock["cpu"]) / wall}
+    result = {
+        "rank": rank,
+        "rates": rates,
+        "cores": (time.process_time() - clock["cpu"]) / wall,
+    }
     if clock["proc"] is not None:
-        machine, ours = (b - a for a, b in zip(clock["proc"],
-                                                cpu_seconds(os.getppid())))
+        machine, ours = (
+            b - a for a, b in zip(clock["proc"], cpu_seconds(os.getppid()))
+        )
         result["job_cores"] = ours / wall
         result["other_cores"] = max(0.0, machine - ours) / wall
     print(RESULT + json.dumps(result), flush=True)
@@ -197,16 +262,23 @@ def child(args: argparse.Namespace) -> None:
 # Driver side.
 
 
-def launch(cmd: list[str], env: dict[str, str], cwd: str,
-           timeout: float) -> tuple[int | None, str, str]:
+def launch(
+    cmd: list[str], env: dict[str, str], cwd: str, timeout: float
+) -> tuple[int | None, str, str]:
     """Runs the launcher; returns (code or None on timeout, stdout, stderr).
 
     On timeout (or if this script is stopped) the launcher gets SIGTERM,
     which makes it stop all of its servers and workers, then SIGKILL.
     """
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd, text=True,
-                            stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=cwd,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
         return proc.returncode, out, err
@@ -234,18 +306,30 @@ def timed_events(events: list[dict], steps: int) -> tuple[list[dict], int]:
     warm-up steps); the chunk stages are kept from the first timed push_pull
     on.
     """
+
     def last(name, **match):
-        spans = [e for e in events if e.get("name") == name
-                 and all(e.get(k) == v for k, v in match.items())]
+        spans = [
+            e
+            for e in events
+            if e.get("name") == name
+            and all(e.get(k) == v for k, v in match.items())
+        ]
         return sorted(spans, key=lambda e: e["ts"])[-steps:]
 
     flights = last("in_flight")
     begin = flights[0]["ts"] if flights else float("inf")
-    stages = [e for e in events if e.get("name") in ("queue", "push", "pull")
-              and e["ts"] >= begin]
+    stages = [
+        e
+        for e in events
+        if e.get("name") in ("queue", "push", "pull") and e["ts"] >= begin
+    ]
     total = sum(1 for e in events if e.get("name") == "in_flight")
-    return (flights + last("start", tid="device") + last("done", tid="device")
-            + stages), total
+    return (
+        flights
+        + last("start", tid="device")
+        + last("done", tid="device")
+        + stages
+    ), total
 
 
 def cache_env(args) -> dict[str, str]:
@@ -257,18 +341,29 @@ def cache_env(args) -> dict[str, str]:
     """
     if not args.cache_dir:
         return {}
-    return {"JAX_COMPILATION_CACHE_DIR": args.cache_dir,
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+    return {
+        "JAX_COMPILATION_CACHE_DIR": args.cache_dir,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+    }
 
 
 def run_launcher(args, label, workers, servers, child_argv, env, tmp) -> str:
     """Runs the workers (and servers) with jaxps-launch; returns stdout."""
-    cmd = [sys.executable, "-m", "jaxps._src.launch",
-           "--workers", str(workers), "--servers", str(servers),
-           "--timeout", str(args.jaxps_timeout), "--", *child_argv]
-    code, out, err = launch(cmd, dict(os.environ, **env), tmp,
-                            args.run_timeout)
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxps._src.launch",
+        "--workers",
+        str(workers),
+        "--servers",
+        str(servers),
+        "--timeout",
+        str(args.jaxps_timeout),
+        "--",
+        *child_argv,
+    ]
+    code, out, err = launch(cmd, dict(os.environ, **env), tmp, args.run_timeout)
     if code != 0:
         why = "timed out" if code is None else f"exited {code}"
         tail = "\n".join(err.splitlines()[-15:])
@@ -276,37 +371,53 @@ def run_launcher(args, label, workers, servers, child_argv, env, tmp) -> str:
     return out
 
 
-def run_on_cluster(args, label, workers, servers, child_argv, env,
-                   tmp) -> str:
+def run_on_cluster(args, label, workers, servers, child_argv, env, tmp) -> str:
     """Runs each worker and server on its own emulated host; returns the
     workers' stdout."""
     import _netns
 
     cluster = args.emulated
     args.port += 1  # a fresh port: never one of a dying server
-    base = _netns.child_env(
-        dict(env, JAXPS_TIMEOUT=str(args.jaxps_timeout)))
+    base = _netns.child_env(dict(env, JAXPS_TIMEOUT=str(args.jaxps_timeout)))
     procs: list = []
     try:
         for host in cluster.servers[:servers]:
-            argv = [sys.executable, "-m", "jaxps.servers", "--host", host.ip,
-                    "--port", str(args.port), "--num-workers", str(workers),
-                    "--round-timeout", str(args.jaxps_timeout)]
-            procs.append(_netns.Proc(f"server-{host.role}", host.ns, argv,
-                                     tmp, base))
+            argv = [
+                sys.executable,
+                "-m",
+                "jaxps.servers",
+                "--host",
+                host.ip,
+                "--port",
+                str(args.port),
+                "--num-workers",
+                str(workers),
+                "--round-timeout",
+                str(args.jaxps_timeout),
+            ]
+            procs.append(
+                _netns.Proc(f"server-{host.role}", host.ns, argv, tmp, base)
+            )
         deadline = time.monotonic() + 60
         for proc in procs:
             proc.wait_for_line(_netns.SERVER_READY, deadline)
-        addresses = ",".join(f"{h.ip}:{args.port}"
-                             for h in cluster.servers[:servers])
+        addresses = ",".join(
+            f"{h.ip}:{args.port}" for h in cluster.servers[:servers]
+        )
         ranks = []
         for rank, host in enumerate(cluster.workers[:workers]):
-            worker_env = dict(base, JAXPS_NUM_WORKERS=str(workers),
-                              JAXPS_WORKER_RANK=str(rank))
+            worker_env = dict(
+                base,
+                JAXPS_NUM_WORKERS=str(workers),
+                JAXPS_WORKER_RANK=str(rank),
+            )
             if servers:
                 worker_env["JAXPS_SERVERS"] = addresses
-            ranks.append(_netns.Proc(f"worker-{host.role}", host.ns,
-                                     child_argv, tmp, worker_env))
+            ranks.append(
+                _netns.Proc(
+                    f"worker-{host.role}", host.ns, child_argv, tmp, worker_env
+                )
+            )
         procs += ranks
         try:
             _netns.wait_all(ranks, time.monotonic() + args.run_timeout)
@@ -328,25 +439,39 @@ def run(args, model: str, workers: int) -> dict:
         if args.partition_kib:
             env["JAXPS_PARTITION_BYTES"] = str(args.partition_kib * 1024)
         child_argv = [
-            sys.executable, os.path.abspath(__file__), "--child",
-            "--model-name", model,
-            "--batch-size", str(args.batch_size),
-            "--iters", str(args.iters),
-            "--batches-per-iter", str(args.batches_per_iter),
-            "--warmup", str(args.warmup)]  # fmt: skip
+            sys.executable,
+            os.path.abspath(__file__),
+            "--child",
+            "--model-name",
+            model,
+            "--batch-size",
+            str(args.batch_size),
+            "--iters",
+            str(args.iters),
+            "--batches-per-iter",
+            str(args.batches_per_iter),
+            "--warmup",
+            str(args.warmup),
+        ]
         began = time.monotonic()
         start = run_on_cluster if args.cluster else run_launcher
-        out = start(args, f"{model} x{workers}", workers, servers,
-                    child_argv, env, tmp)
+        out = start(
+            args, f"{model} x{workers}", workers, servers, child_argv, env, tmp
+        )
         took = time.monotonic() - began
-        results = [json.loads(line.split(RESULT, 1)[1])
-                   for line in out.splitlines() if RESULT in line]
+        results = [
+            json.loads(line.split(RESULT, 1)[1])
+            for line in out.splitlines()
+            if RESULT in line
+        ]
         if len(results) != workers:
             raise RuntimeError(f"{model} x{workers}: {len(results)} results")
         params = re.search(r"Model: \w+ \(([\d,]+) parameters\)", out)
         step_s = [args.batch_size / r for res in results for r in res["rates"]]
-        sums = dict.fromkeys(("exposed_s", "comm_s", "start_s", "queue_s",
-                              "push_s", "pull_s"), 0.0)
+        sums = dict.fromkeys(
+            ("exposed_s", "comm_s", "start_s", "queue_s", "push_s", "pull_s"),
+            0.0,
+        )
         counts, chunks, rows, pulls = set(), 0, set(), []
         for rank in range(workers):
             path = os.path.join(tmp, f"jaxps-rank{rank}.trace.json")
@@ -358,26 +483,40 @@ def run(args, model: str, workers: int) -> dict:
             pushes = [e for e in events if e.get("name") == "push"]
             chunks += len(pushes)
             rows.update(e["tid"] for e in pushes)
-            pulls.append([e["dur"] / 1e6 for e in sorted(
-                (e for e in events if e.get("name") == "pull"),
-                key=lambda e: e["ts"])])
+            pulls.append(
+                [
+                    e["dur"] / 1e6
+                    for e in sorted(
+                        (e for e in events if e.get("name") == "pull"),
+                        key=lambda e: e["ts"],
+                    )
+                ]
+            )
     per_step = {k[:-2]: v / (workers * steps) for k, v in sums.items()}
     exposed, comm = sums["exposed_s"], sums["comm_s"]
     return {
-        "model": model, "workers": workers, "servers": servers,
+        "model": model,
+        "workers": workers,
+        "servers": servers,
         "step_s": statistics.median(step_s),
-        "step_min": min(step_s), "step_max": max(step_s),
+        "step_min": min(step_s),
+        "step_max": max(step_s),
         "cores": statistics.mean(r["cores"] for r in results),
         "job_cores": results_of(results, 0)["job_cores"],
         "other_cores": results_of(results, 0)["other_cores"],
         **per_step,
-        "chunks": chunks / (workers * steps), "servers_used": len(rows),
+        "chunks": chunks / (workers * steps),
+        "servers_used": len(rows),
         # The worker whose push completes a round waits for nobody: the
         # shortest pull of each round is about the transfer alone.
-        "pull_last": (statistics.mean(min(p) for p in zip(*pulls))
-                      if pulls and all(pulls) else 0.0),
+        "pull_last": (
+            statistics.mean(min(p) for p in zip(*pulls))
+            if pulls and all(pulls)
+            else 0.0
+        ),
         "overlap": 1.0 - min(exposed, comm) / comm if comm else None,
-        "push_pulls": sorted(counts), "params": params and params.group(1),
+        "push_pulls": sorted(counts),
+        "params": params and params.group(1),
         "took": took,
     }
 
@@ -389,40 +528,84 @@ def results_of(results: list[dict], rank: int) -> dict:
 def table(args, rows: list[dict]) -> str:
     base = next((r for r in rows if r["workers"] == 1), None)
     total1 = args.batch_size / base["step_s"] if base else None
-    header = ["workers", "servers", "step ms", "smp/s/worker", "total smp/s",
-              "scaling eff", "ideal smp/s/worker", "vs ideal",
-              "cores/worker", "job cores", "other cores", "comm ms/step",
-              "exposed ms/step", "overlap"]
+    header = [
+        "workers",
+        "servers",
+        "step ms",
+        "smp/s/worker",
+        "total smp/s",
+        "scaling eff",
+        "ideal smp/s/worker",
+        "vs ideal",
+        "cores/worker",
+        "job cores",
+        "other cores",
+        "comm ms/step",
+        "exposed ms/step",
+        "overlap",
+    ]
     body = []
     for r in rows:
         n = r["workers"]
         per = args.batch_size / r["step_s"]
         ideal = total1 * min(n, 2) / n if total1 else None
         comm = r["comm"] > 0
-        body.append([
-            str(n), str(r["servers"]), f"{1e3 * r['step_s']:.1f}",
-            f"{per:.1f}", f"{n * per:.1f}",
-            f"{n * per / (n * total1):.2f}" if total1 else "-",
-            f"{ideal:.1f}" if ideal else "-",
-            f"{per / ideal:.2f}" if ideal else "-",
-            f"{r['cores']:.2f}", f"{r['job_cores']:.2f}",
-            f"{r['other_cores']:.2f}",
-            f"{1e3 * r['comm']:.1f}" if comm else "-",
-            f"{1e3 * r['exposed']:.1f}" if comm else "-",
-            f"{r['overlap']:.2f}" if r["overlap"] is not None else "-",
-        ])
+        body.append(
+            [
+                str(n),
+                str(r["servers"]),
+                f"{1e3 * r['step_s']:.1f}",
+                f"{per:.1f}",
+                f"{n * per:.1f}",
+                f"{n * per / (n * total1):.2f}" if total1 else "-",
+                f"{ideal:.1f}" if ideal else "-",
+                f"{per / ideal:.2f}" if ideal else "-",
+                f"{r['cores']:.2f}",
+                f"{r['job_cores']:.2f}",
+                f"{r['other_cores']:.2f}",
+                f"{1e3 * r['comm']:.1f}" if comm else "-",
+                f"{1e3 * r['exposed']:.1f}" if comm else "-",
+                f"{r['overlap']:.2f}" if r["overlap"] is not None else "-",
+            ]
+        )
     return format_table(header, body)
 
 
 def detail(rows: list[dict]) -> str:
     """Where the communication time of a step went, per worker."""
-    header = ["workers", "chunks/step", "servers used", "start ms",
-              "queue ms", "push ms", "pull ms", "pull of last rank ms",
-              "in flight ms", "exposed ms"]
-    body = [[str(r["workers"]), f"{r['chunks']:.1f}", str(r["servers_used"]),
-             *(f"{1e3 * r[k]:.1f}" for k in ("start", "queue", "push", "pull",
-                                             "pull_last", "comm", "exposed"))]
-            for r in rows if r["servers"]]
+    header = [
+        "workers",
+        "chunks/step",
+        "servers used",
+        "start ms",
+        "queue ms",
+        "push ms",
+        "pull ms",
+        "pull of last rank ms",
+        "in flight ms",
+        "exposed ms",
+    ]
+    body = [
+        [
+            str(r["workers"]),
+            f"{r['chunks']:.1f}",
+            str(r["servers_used"]),
+            *(
+                f"{1e3 * r[k]:.1f}"
+                for k in (
+                    "start",
+                    "queue",
+                    "push",
+                    "pull",
+                    "pull_last",
+                    "comm",
+                    "exposed",
+                )
+            ),
+        ]
+        for r in rows
+        if r["servers"]
+    ]
     return format_table(header, body) if body else ""
 
 
@@ -434,10 +617,13 @@ def versions() -> str:
     import optax
 
     import jaxps
-    return (f"Python {platform.python_version()}, jax {jax.__version__}, "
-            f"flax {flax.__version__}, optax {optax.__version__}, "
-            f"grpcio {grpc.__version__}, numpy {numpy.__version__}, "
-            f"jaxps {jaxps.__version__}; {os.cpu_count()} CPU cores")
+
+    return (
+        f"Python {platform.python_version()}, jax {jax.__version__}, "
+        f"flax {flax.__version__}, optax {optax.__version__}, "
+        f"grpcio {grpc.__version__}, numpy {numpy.__version__}, "
+        f"jaxps {jaxps.__version__}; {os.cpu_count()} CPU cores"
+    )
 
 
 def main(argv=None) -> int:
@@ -451,7 +637,8 @@ def main(argv=None) -> int:
         args.cache_dir = None
         if args.compile_cache:
             args.cache_dir = stack.enter_context(
-                tempfile.TemporaryDirectory(prefix="jaxps-train-cache-"))
+                tempfile.TemporaryDirectory(prefix="jaxps-train-cache-")
+            )
         if args.cluster:
             import _netns
 
@@ -460,8 +647,8 @@ def main(argv=None) -> int:
                 log(f"--cluster: {why}")
                 return 2
             args.emulated = _netns.Cluster(
-                max(args.workers), args.servers, args.rate_mbit,
-                mtu=args.mtu)
+                max(args.workers), args.servers, args.rate_mbit, mtu=args.mtu
+            )
             args.port = 9100
             stack.callback(args.emulated.down)
             stack.callback(_netns.stop_all)  # runs first
@@ -469,8 +656,9 @@ def main(argv=None) -> int:
         return drive(args)
 
 
-def measure(args, model: str, n: int, began: float,
-            guess: float) -> dict | None:
+def measure(
+    args, model: str, n: int, began: float, guess: float
+) -> dict | None:
     """One run, repeated (`--retries`) while other processes disturbed it
     (`--max-other-cores`) and the budget allows; the least disturbed wins."""
     best = None
@@ -496,12 +684,21 @@ def drive(args) -> int:
     began = time.monotonic()
     steps = args.iters * args.batches_per_iter
     print(f"# {versions()}")
-    print(f"# batch {args.batch_size}/worker, {args.warmup} warm-up steps, "
-          f"{args.iters} x {args.batches_per_iter} timed steps per worker; "
-          + (f"emulated cluster, {args.rate_mbit:g} Mbit/s links, MTU "
-             f"{args.mtu}" if args.cluster else "loopback")
-          + (f"; partition {args.partition_kib} KiB"
-             if args.partition_kib else ""), flush=True)
+    print(
+        f"# batch {args.batch_size}/worker, {args.warmup} warm-up steps, "
+        f"{args.iters} x {args.batches_per_iter} timed steps per worker; "
+        + (
+            f"emulated cluster, {args.rate_mbit:g} Mbit/s links, MTU {args.mtu}"
+            if args.cluster
+            else "loopback"
+        )
+        + (
+            f"; partition {args.partition_kib} KiB"
+            if args.partition_kib
+            else ""
+        ),
+        flush=True,
+    )
     failed = False
     last = None
     for model in args.models:
@@ -511,8 +708,10 @@ def drive(args) -> int:
             # with the workers sharing the cores: guess from the last run.
             guess = last["took"] * n / last["workers"] if last else 0.0
             if time.monotonic() - began + guess > args.budget:
-                log(f"{model} x{n}: skipped (would end past --budget "
-                    f"{args.budget:g} s)")
+                log(
+                    f"{model} x{n}: skipped (would end past --budget "
+                    f"{args.budget:g} s)"
+                )
                 continue
             r = measure(args, model, n, began, guess)
             if r is None:
@@ -520,12 +719,17 @@ def drive(args) -> int:
                 continue
             rows.append(r)
             last = r
-            note = (f"; push_pulls per trace {r['push_pulls']} "
-                    f"(expected {1 + args.warmup + steps})"
-                    if r["servers"] else "")
-            log(f"  {r['took']:.0f} s; step {1e3 * r['step_s']:.1f} ms "
+            note = (
+                f"; push_pulls per trace {r['push_pulls']} "
+                f"(expected {1 + args.warmup + steps})"
+                if r["servers"]
+                else ""
+            )
+            log(
+                f"  {r['took']:.0f} s; step {1e3 * r['step_s']:.1f} ms "
                 f"(range {1e3 * r['step_min']:.1f}-{1e3 * r['step_max']:.1f})"
-                + note)
+                + note
+            )
         if not rows:
             continue
         params = rows[0]["params"] or "?"

@@ -32,10 +32,12 @@ VOCAB, SEQ_LEN = 1000, 32
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=("resnet", "transformer"),
-                   default="resnet")
-    p.add_argument("--batch-size", type=int, default=32,
-                   help="batch size per worker")
+    p.add_argument(
+        "--model", choices=("resnet", "transformer"), default="resnet"
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=32, help="batch size per worker"
+    )
     p.add_argument("--num-warmup-batches", type=int, default=3)
     p.add_argument("--num-batches-per-iter", type=int, default=5)
     p.add_argument("--num-iters", type=int, default=5)
@@ -48,15 +50,18 @@ class ResidualBlock(nnx.Module):
 
     def __init__(self, cin: int, cout: int, stride: int, rngs: nnx.Rngs):
         s = (stride, stride)
-        self.conv1 = nnx.Conv(cin, cout, (3, 3), strides=s, use_bias=False,
-                              rngs=rngs)
+        self.conv1 = nnx.Conv(
+            cin, cout, (3, 3), strides=s, use_bias=False, rngs=rngs
+        )
         self.bn1 = nnx.BatchNorm(cout, rngs=rngs)
         self.conv2 = nnx.Conv(cout, cout, (3, 3), use_bias=False, rngs=rngs)
         self.bn2 = nnx.BatchNorm(cout, rngs=rngs)
         # A 1x1 projection where the shape changes, else the identity.
-        self.proj = (nnx.Conv(cin, cout, (1, 1), strides=s, use_bias=False,
-                              rngs=rngs)
-                     if stride != 1 or cin != cout else None)
+        self.proj = (
+            nnx.Conv(cin, cout, (1, 1), strides=s, use_bias=False, rngs=rngs)
+            if stride != 1 or cin != cout
+            else None
+        )
 
     def __call__(self, x):
         y = nnx.relu(self.bn1(self.conv1(x)))
@@ -68,8 +73,9 @@ class ResNet(nnx.Module):
     """A small ResNet: a stem, one block per stage (16/32/64), a head."""
 
     def __init__(self, rngs: nnx.Rngs, widths=(16, 32, 64)):
-        self.stem = nnx.Conv(IMAGE_SHAPE[-1], widths[0], (3, 3),
-                             use_bias=False, rngs=rngs)
+        self.stem = nnx.Conv(
+            IMAGE_SHAPE[-1], widths[0], (3, 3), use_bias=False, rngs=rngs
+        )
         self.bn = nnx.BatchNorm(widths[0], rngs=rngs)
         blocks, cin = [], widths[0]
         for i, w in enumerate(widths):
@@ -90,8 +96,7 @@ class EncoderLayer(nnx.Module):
 
     def __init__(self, dim: int, heads: int, rngs: nnx.Rngs):
         self.norm1 = nnx.LayerNorm(dim, rngs=rngs)
-        self.attn = nnx.MultiHeadAttention(heads, dim, decode=False,
-                                           rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(heads, dim, decode=False, rngs=rngs)
         self.norm2 = nnx.LayerNorm(dim, rngs=rngs)
         self.mlp1 = nnx.Linear(dim, 4 * dim, rngs=rngs)
         self.mlp2 = nnx.Linear(4 * dim, dim, rngs=rngs)
@@ -106,10 +111,12 @@ class Transformer(nnx.Module):
 
     def __init__(self, rngs: nnx.Rngs, dim=128, heads=4, depth=2):
         self.embed = nnx.Embed(VOCAB, dim, rngs=rngs)
-        self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(),
-                                                      (SEQ_LEN, dim)))
-        self.layers = nnx.List([EncoderLayer(dim, heads, rngs)
-                                for _ in range(depth)])
+        self.pos = nnx.Param(
+            0.02 * jax.random.normal(rngs.params(), (SEQ_LEN, dim))
+        )
+        self.layers = nnx.List(
+            [EncoderLayer(dim, heads, rngs) for _ in range(depth)]
+        )
         self.norm = nnx.LayerNorm(dim, rngs=rngs)
         self.head = nnx.Linear(dim, NUM_CLASSES, rngs=rngs)
 
@@ -133,8 +140,7 @@ def synthetic_batch(model: str, batch_size: int, key):
 def train_step(model, optimizer, x, y):
     def loss_fn(model):
         logits = model(x)
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits, y).mean()
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)
@@ -158,11 +164,12 @@ def main(argv=None) -> list[float]:
     model = model_cls(nnx.Rngs(args.seed))
     nnx.update(model, jaxps.broadcast(nnx.state(model, nnx.Param)))
     optimizer = nnx.Optimizer(
-        model, jaxps.DistributedOptimizer(optax.sgd(0.01)), wrt=nnx.Param)
-    x, y = synthetic_batch(args.model, args.batch_size,
-                           jax.random.key(args.seed + rank))
-    n_params = sum(p.size for p in jax.tree.leaves(nnx.state(model,
-                                                            nnx.Param)))
+        model, jaxps.DistributedOptimizer(optax.sgd(0.01)), wrt=nnx.Param
+    )
+    x, y = synthetic_batch(
+        args.model, args.batch_size, jax.random.key(args.seed + rank)
+    )
+    n_params = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
     log(f"Model: {args.model} ({n_params:,} parameters)")
     log(f"Batch size: {args.batch_size} per worker")
     log(f"Number of workers: {size}")
@@ -187,8 +194,10 @@ def main(argv=None) -> list[float]:
 
     mean, conf = float(np.mean(rates)), 1.96 * float(np.std(rates))
     log(f"Samples/sec per worker: {mean:.1f} +-{conf:.1f}")
-    log(f"Total samples/sec on {size} worker(s): {size * mean:.1f} "
-        f"+-{size * conf:.1f}")
+    log(
+        f"Total samples/sec on {size} worker(s): {size * mean:.1f} "
+        f"+-{size * conf:.1f}"
+    )
     jaxps.shutdown()
     return rates
 

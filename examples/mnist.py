@@ -36,19 +36,29 @@ import jaxps
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=32,
-                   help="batch size per worker")
+    p.add_argument(
+        "--batch-size", type=int, default=32, help="batch size per worker"
+    )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compression", default="none",
-                   choices=["none", "fp16", "bf16", "topk", "randomk",
-                            "onebit"],
-                   help="wire compression of the gradients")
-    p.add_argument("--async", dest="async_mode", action="store_true",
-                   help="asynchronous training (launch with "
-                   "jaxps-launch --async)")
-    p.add_argument("--min-accuracy", type=float, default=0.0,
-                   help="exit 1 if the test accuracy is below this")
+    p.add_argument(
+        "--compression",
+        default="none",
+        choices=["none", "fp16", "bf16", "topk", "randomk", "onebit"],
+        help="wire compression of the gradients",
+    )
+    p.add_argument(
+        "--async",
+        dest="async_mode",
+        action="store_true",
+        help="asynchronous training (launch with jaxps-launch --async)",
+    )
+    p.add_argument(
+        "--min-accuracy",
+        type=float,
+        default=0.0,
+        help="exit 1 if the test accuracy is below this",
+    )
     return p.parse_args(argv)
 
 
@@ -56,13 +66,19 @@ def load_data(rank: int, size: int):
     """This worker's training slice and the full test set, standardized."""
     digits = load_digits()
     x_train, x_test, y_train, y_test = train_test_split(
-        digits.data, digits.target, test_size=0.2, random_state=0)
+        digits.data, digits.target, test_size=0.2, random_state=0
+    )
     scaler = StandardScaler().fit(x_train)
-    x_train, x_test = (scaler.transform(x).astype(np.float32)
-                       .reshape(-1, 8, 8, 1) for x in (x_train, x_test))
+    x_train, x_test = (
+        scaler.transform(x).astype(np.float32).reshape(-1, 8, 8, 1)
+        for x in (x_train, x_test)
+    )
     # Each worker keeps every size-th example, starting at its rank.
-    return ((x_train[rank::size], y_train[rank::size]), (x_test, y_test),
-            len(x_train))
+    return (
+        (x_train[rank::size], y_train[rank::size]),
+        (x_test, y_test),
+        len(x_train),
+    )
 
 
 class CNN(nnx.Module):
@@ -110,9 +126,14 @@ def checksum(model) -> str:
 def make_compression(name: str):
     """The wire compression called `name` (sparse ones keep 1%)."""
     c = jaxps.compression
-    return {"none": None, "fp16": c.fp16(), "bf16": c.bf16(),
-            "topk": c.topk(0.01), "randomk": c.randomk(0.01),
-            "onebit": c.onebit()}[name]
+    return {
+        "none": None,
+        "fp16": c.fp16(),
+        "bf16": c.bf16(),
+        "topk": c.topk(0.01),
+        "randomk": c.randomk(0.01),
+        "onebit": c.onebit(),
+    }[name]
 
 
 def main(argv=None) -> float:
@@ -125,14 +146,14 @@ def main(argv=None) -> float:
     model = CNN(nnx.Rngs(args.seed + rank))
     if not args.async_mode:  # async servers hand out rank 0's init instead
         nnx.update(model, jaxps.broadcast(nnx.state(model, nnx.Param)))
-        print(f"params checksum after broadcast: {checksum(model)}",
-              flush=True)
+        print(f"params checksum after broadcast: {checksum(model)}", flush=True)
 
     if args.async_mode:
         tx = jaxps.AsyncDistributedOptimizer(optax.adam(args.lr))
     else:
         tx = jaxps.DistributedOptimizer(
-            optax.adam(args.lr), compression=make_compression(args.compression))
+            optax.adam(args.lr), compression=make_compression(args.compression)
+        )
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     # Every worker must run the same number of steps (each one push_pulls),
@@ -145,18 +166,24 @@ def main(argv=None) -> float:
         order = rng.permutation(len(x_train))
         losses = []
         for i in range(steps):
-            idx = order[i * args.batch_size:(i + 1) * args.batch_size]
-            losses.append(train_step(model, optimizer, x_train[idx],
-                                     y_train[idx]))
+            idx = order[i * args.batch_size : (i + 1) * args.batch_size]
+            losses.append(
+                train_step(model, optimizer, x_train[idx], y_train[idx])
+            )
             bar.update()
         if rank == 0:
-            bar.write(f"epoch {epoch + 1}: loss {np.mean(losses):.4f} "
-                      f"({time.perf_counter() - start:.1f} s)")
+            bar.write(
+                f"epoch {epoch + 1}: loss {np.mean(losses):.4f} "
+                f"({time.perf_counter() - start:.1f} s)"
+            )
     bar.close()
 
     accuracy = float(np.mean(np.asarray(predict(model, x_test)) == y_test))
-    print(f"trained {args.epochs} epochs on {size} worker(s) in "
-          f"{time.perf_counter() - start:.1f} s", flush=True)
+    print(
+        f"trained {args.epochs} epochs on {size} worker(s) in "
+        f"{time.perf_counter() - start:.1f} s",
+        flush=True,
+    )
     print(f"test accuracy: {accuracy:.3f}", flush=True)
     jaxps.shutdown()
     if accuracy < args.min_accuracy:

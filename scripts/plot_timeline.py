@@ -38,21 +38,25 @@ def plot(events: list[dict], path: str) -> dict:
     rows = sorted({e["tid"] for e in spans}, key=lambda r: (r != "device", r))
     t0 = min(e["ts"] for e in spans)
     fig, (top, bottom) = plt.subplots(
-        2, 1, figsize=(11, 2 + 0.5 * len(rows)),
+        2,
+        1,
+        figsize=(11, 2 + 0.5 * len(rows)),
         gridspec_kw={"height_ratios": [max(2, len(rows)), 2]},
-    )  # fmt: skip
+    )
     for e in spans:
         y = rows.index(e["tid"])
         top.barh(
-            y, e["dur"] / 1e3, left=(e["ts"] - t0) / 1e3, height=0.6,
-            color=COLORS.get(e["name"], "black"), linewidth=0,
-        )  # fmt: skip
+            y,
+            e["dur"] / 1e3,
+            left=(e["ts"] - t0) / 1e3,
+            height=0.6,
+            color=COLORS.get(e["name"], "black"),
+            linewidth=0,
+        )
     top.set_yticks(range(len(rows)), rows)
     top.invert_yaxis()
     top.set_xlabel("ms")
-    handles = [
-        plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()
-    ]  # fmt: skip
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
     top.legend(handles, COLORS, ncol=6, loc="upper right", fontsize=8)
     summary = timeline.summarize(events)
     stages = ["start", "queue", "push", "pull"]

@@ -93,9 +93,17 @@ class AsyncStore(Store):
         self.rounds_completed += 1
 
     def pull(
-        self, *, key, round, rank, dtype_code, length, now=None, raw=False,
+        self,
+        *,
+        key,
+        round,
+        rank,
+        dtype_code,
+        length,
+        now=None,
+        raw=False,
         into=None,
-    ):  # fmt: skip
+    ):
         """Returns the current value at once: (None, encoded value), with
         `raw` (None, the value array), or with `into` (None, `into`) after
         copying the value there."""

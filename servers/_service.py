@@ -36,9 +36,12 @@ def _chunk(h: pb.Header) -> dict:
     """The header fields that name a chunk's round, as the store's
     keyword arguments."""
     return dict(
-        key=h.key, round=h.round, rank=h.rank, dtype_code=h.dtype,
+        key=h.key,
+        round=h.round,
+        rank=h.rank,
+        dtype_code=h.dtype,
         length=h.length,
-    )  # fmt: skip
+    )
 
 
 def _decode(message_type, data: bytes):

@@ -108,8 +108,15 @@ class Key:
 class PushTicket:
     """The numpy work of one accepted push, run on the key's engine thread."""
 
-    __slots__ = ("key", "round", "rank", "data", "num_workers", "ordered",
-                 "lent")  # fmt: skip
+    __slots__ = (
+        "key",
+        "round",
+        "rank",
+        "data",
+        "num_workers",
+        "ordered",
+        "lent",
+    )
 
     def __init__(self, key, rnd, rank, data, num_workers, ordered, lent):
         self.key = key
@@ -625,9 +632,10 @@ class Store:
     def pending_pulls(self) -> int:
         """Number of pulls waiting for their round to complete."""
         return sum(
-            len(rnd.waiters) for k in self._keys.values()
+            len(rnd.waiters)
+            for k in self._keys.values()
             for rnd in k.rounds.values()
-        )  # fmt: skip
+        )
 
     def pending_rounds(self) -> int:
         """Number of rounds that are live (incomplete or not fully pulled)."""

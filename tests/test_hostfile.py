@@ -54,27 +54,56 @@ def test_ssh_command_lines():
     server = cmds[0][1]
     assert server[:5] == ["ssh", "-o", "BatchMode=yes", "-tt", "cpu1"]
     assert shlex.split(server[5]) == [
-        "jaxps-server", "--host", "cpu1", "--port", "9100",
-        "--num-workers", "2", "--job-id", "J", "--round-timeout", "30.0",
+        "jaxps-server",
+        "--host",
+        "cpu1",
+        "--port",
+        "9100",
+        "--num-workers",
+        "2",
+        "--job-id",
+        "J",
+        "--round-timeout",
+        "30.0",
         "--async",
-    ]  # fmt: skip
+    ]
     worker = cmds[3][1]
     assert worker[4] == "gpu2"
     assert shlex.split(worker[5]) == [
-        "cd", "/work dir", "&&", "env", "JAXPS_JOB_ID=J",
-        "JAXPS_NUM_WORKERS=2", "JAXPS_SERVERS=cpu1:9100,cpu2:9000",
-        "JAXPS_WORKER_RANK=1", "python", "train.py", "--name", "a b",
-    ]  # fmt: skip
+        "cd",
+        "/work dir",
+        "&&",
+        "env",
+        "JAXPS_JOB_ID=J",
+        "JAXPS_NUM_WORKERS=2",
+        "JAXPS_SERVERS=cpu1:9100,cpu2:9000",
+        "JAXPS_WORKER_RANK=1",
+        "python",
+        "train.py",
+        "--name",
+        "a b",
+    ]
 
 
 def test_dry_run_prints_and_starts_nothing(tmp_path):
     f = tmp_path / "hosts"
     f.write_text(GOOD)
     out = subprocess.run(
-        [sys.executable, "-m", "jaxps._src.launch", "--hostfile", str(f),
-         "--dry-run", "--", "python", "train.py"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "jaxps._src.launch",
+            "--hostfile",
+            str(f),
+            "--dry-run",
+            "--",
+            "python",
+            "train.py",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert len(lines) == 4 and lines[2].startswith("worker 0: ssh ")
@@ -116,9 +145,22 @@ def test_run_through_ssh_on_this_host(tmp_path):
     )
     env.pop("JAXPS_SERVERS", None)
     out = subprocess.run(
-        [sys.executable, "-m", "jaxps._src.launch", "--hostfile", str(hosts),
-         "--", sys.executable, "-c", code],
-        capture_output=True, text=True, timeout=100, env=env, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "jaxps._src.launch",
+            "--hostfile",
+            str(hosts),
+            "--",
+            sys.executable,
+            "-c",
+            code,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("ok") == 2, out.stdout

@@ -23,10 +23,16 @@ def test_renders_a_png(tmp_path):
     t.close()
     png = tmp_path / "t.png"
     out = subprocess.run(
-        [sys.executable, str(SCRIPT / "plot_timeline.py"), str(t.path),
-         str(png)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(SCRIPT / "plot_timeline.py"),
+            str(t.path),
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "overlap 62%" in out.stdout, out.stdout  # 1 - 11 ms / 29 ms

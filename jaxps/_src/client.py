@@ -185,7 +185,7 @@ class ServerClient:
 
     def push_pull_future(
         self, header: pb.Header, checksum: int, deadline: float, slot
-    ):  # fmt: skip
+    ):
         """Starts a PushPull of a filled shared-memory `slot`; returns a
         grpc future of the encoded PullReply (the sum is then in `slot`)."""
         request = _codec.encode_push(header, None, checksum, slot)
@@ -205,9 +205,7 @@ class ServerClient:
         )
         self.decode_pull(reply, header, slot)
 
-    def pull_future(
-        self, header: pb.Header, deadline: float, slot=None
-    ):  # fmt: skip
+    def pull_future(self, header: pb.Header, deadline: float, slot=None):
         """Starts a pull; returns a grpc future of the encoded PullReply."""
         request = pb.PullRequest(header=header, slot=slot)
         return self._pull.future(
@@ -241,9 +239,12 @@ class ServerClient:
             raise errors.JaxpsError(
                 f"server {self.address} answered the pull of {header.name} "
                 f"round {header.round} "
-                + ("in shared memory, which was not asked for."
-                   if in_slot else "without the sum in shared memory.")
-            )  # fmt: skip
+                + (
+                    "in shared memory, which was not asked for."
+                    if in_slot
+                    else "without the sum in shared memory."
+                )
+            )
         return None if in_slot else payload
 
     def _call(self, method, request, deadline, header, what):

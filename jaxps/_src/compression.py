@@ -90,8 +90,9 @@ def _keep(ratio: float, n: int) -> int:
 
 
 def _residual_init(params) -> ResidualState:
-    residual = jax.tree.map(lambda p: jnp.zeros(jnp.size(p), jnp.float32),
-                            params)  # fmt: skip
+    residual = jax.tree.map(
+        lambda p: jnp.zeros(jnp.size(p), jnp.float32), params
+    )
     return ResidualState(residual, jnp.int32(0))
 
 

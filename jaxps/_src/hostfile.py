@@ -75,9 +75,13 @@ def _ssh(host: str, remote: str) -> list[str]:
 
 
 def server_command(
-    address: str, *, num_workers: int, job_id: str, timeout: float,
+    address: str,
+    *,
+    num_workers: int,
+    job_id: str,
+    timeout: float,
     flags: tuple[str, ...] = (),
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     """The ssh command line that runs one server."""
     host, port = address.rsplit(":", 1)
     remote = [
@@ -104,9 +108,7 @@ def worker_command(
     remote = ["cd", cwd, "&&", "env"]
     remote += [f"{k}={v}" for k, v in sorted(env.items())]
     remote += command
-    quoted = " ".join(
-        a if a == "&&" else shlex.quote(a) for a in remote
-    )  # fmt: skip
+    quoted = " ".join(a if a == "&&" else shlex.quote(a) for a in remote)
     return _ssh(host, quoted)
 
 
@@ -133,7 +135,7 @@ def ssh_commands(
                 timeout=timeout,
                 flags=server_flags,
             ),
-        )  # fmt: skip
+        )
         for i, a in enumerate(hosts.servers)
     ]
     for rank, host in enumerate(hosts.workers):

@@ -248,8 +248,10 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     hosts = None
     if args.hostfile:
         if args.workers is not None or args.servers is not None:
-            parser.error("--hostfile sets the workers and servers; drop "
-                         "--workers/--servers")  # fmt: skip
+            parser.error(
+                "--hostfile sets the workers and servers; drop "
+                "--workers/--servers"
+            )
         try:
             with open(args.hostfile) as f:
                 hosts = hostfile.parse_hostfile(f.read(), args.hostfile)
@@ -521,8 +523,9 @@ class Launcher:
                 server_flags=c.server_flags,
                 worker_env=c.worker_env,
             )
-        servers = [(f"server {i}", self._server_argv()) for i in
-                   range(c.servers)]  # fmt: skip
+        servers = [
+            (f"server {i}", self._server_argv()) for i in range(c.servers)
+        ]
         workers = [(f"worker {r}", list(c.command)) for r in range(c.workers)]
         return servers + workers
 

@@ -64,9 +64,15 @@ def make_plan(
             ranges = topology.chunk_ranges(size, itemsize, partition_bytes)
             for c, (lo, hi) in enumerate(ranges):
                 drafts.append(
-                    (name, f"{name}[{c}]", c, ((t, lo, hi),), hi - lo,
-                     priorities[t])
-                )  # fmt: skip
+                    (
+                        name,
+                        f"{name}[{c}]",
+                        c,
+                        ((t, lo, hi),),
+                        hi - lo,
+                        priorities[t],
+                    )
+                )
             continue
         bucket = buckets.get(dtypes[t])
         used = sum(hi - lo for _, lo, hi in bucket) * itemsize if bucket else 0
@@ -82,9 +88,15 @@ def make_plan(
         if len(members) == 1:
             t = members[0][0]
             drafts.append(
-                (names[t], f"{names[t]}[0]", 0, tuple(members), length,
-                 priority)
-            )  # fmt: skip
+                (
+                    names[t],
+                    f"{names[t]}[0]",
+                    0,
+                    tuple(members),
+                    length,
+                    priority,
+                )
+            )
             continue
         member_names = [names[t] for t, _, _ in members]
         digest = hashlib.blake2b(

@@ -239,9 +239,14 @@ class _Lane:
         if self.timeline is not None:
             h = chunk.header
             self.timeline.span(
-                stage, self.row, start, end, chunk=h.name, round=h.round,
+                stage,
+                self.row,
+                start,
+                end,
+                chunk=h.name,
+                round=h.round,
                 bytes=chunk.nbytes,
-            )  # fmt: skip
+            )
         return end
 
     def send(self, chunk: _Chunk, sender: _Sender) -> None:
@@ -274,8 +279,9 @@ class _Lane:
                 sender.unblock()
             return
         try:
-            future = self.client.push_pull_future(h, checksum, deadline,
-                                                  slot.ref)  # fmt: skip
+            future = self.client.push_pull_future(
+                h, checksum, deadline, slot.ref
+            )
         except errors.JaxpsError as err:
             chunk.handle.fail(err)
             return
@@ -522,9 +528,14 @@ class Runtime:
         if not self._lanes:  # a single worker without servers
             outs = [f.copy() for f in flats]
             return Handle(
-                list(names), outs, shapes, 0, lambda: None, timeout,
+                list(names),
+                outs,
+                shapes,
+                0,
+                lambda: None,
+                timeout,
                 self.timeline,
-            )  # fmt: skip
+            )
         if priorities is None:
             priorities = [-i for i in range(len(names))]
         plan = self._plan(names, flats, tuple(priorities))

@@ -44,7 +44,7 @@ def test_rank_from_jax_distributed(start_servers, tmp_path):
             text=True,
             env=env,
             cwd=tmp_path,
-        )  # fmt: skip
+        )
         for r in range(2)
     ]
     outs = []

@@ -246,10 +246,14 @@ def test_priorities_let_the_first_layer_overtake_queued_layers(start_servers):
     try:
         grads = np.ones(64 * 1024, np.float32)  # 4 chunks per layer
         handles = [
-            (layer, rt.push_pull_async(
-                [f"layer{layer}"], [grads], priorities=[-layer]))
+            (
+                layer,
+                rt.push_pull_async(
+                    [f"layer{layer}"], [grads], priorities=[-layer]
+                ),
+            )
             for layer in reversed(range(12))  # backward order: last first
-        ]  # fmt: skip
+        ]
         pending = dict(handles)
         while pending:
             for layer, handle in list(pending.items()):

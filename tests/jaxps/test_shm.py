@@ -98,8 +98,7 @@ def make_segment(size=4096):
 @pytest.mark.timeout(60)
 def test_attach_checks_name_size_and_token(start_servers):
     (server,) = start_servers(1, 1)
-    client = ServerClient(server.address, max_message_bytes=1 << 20,
-                          timeout=10)  # fmt: skip
+    client = ServerClient(server.address, max_message_bytes=1 << 20, timeout=10)
     client.hello(job_id="jaxps", rank=0, num_workers=1)
     name, path, token = make_segment()
     try:
@@ -115,29 +114,59 @@ def test_attach_checks_name_size_and_token(start_servers):
         segment = client.attach(name, 4096, token)
     finally:
         os.unlink(path)
-    header = pb.Header(version=_wire.PROTOCOL_VERSION, job_id="jaxps",
-                       rank=0, key=1, round=0, dtype=pb.FLOAT32, length=2048)
+    header = pb.Header(
+        version=_wire.PROTOCOL_VERSION,
+        job_id="jaxps",
+        rank=0,
+        key=1,
+        round=0,
+        dtype=pb.FLOAT32,
+        length=2048,
+    )
     deadline = time.monotonic() + 10
     with pytest.raises(errors.RequestRejectedError, match="outside its"):
-        client.push(header, None, 0, deadline,
-                    slot=pb.ShmSlot(segment=segment, offset=1))
+        client.push(
+            header,
+            None,
+            0,
+            deadline,
+            slot=pb.ShmSlot(segment=segment, offset=1),
+        )
     with pytest.raises(errors.RequestRejectedError, match="never attached"):
-        client.push(header, None, 0, deadline,
-                    slot=pb.ShmSlot(segment=segment + 1, offset=0))
+        client.push(
+            header,
+            None,
+            0,
+            deadline,
+            slot=pb.ShmSlot(segment=segment + 1, offset=0),
+        )
     client.detach([segment])
     with pytest.raises(errors.RequestRejectedError, match="never attached"):
-        client.push(header, None, 0, deadline,
-                    slot=pb.ShmSlot(segment=segment, offset=0))
+        client.push(
+            header,
+            None,
+            0,
+            deadline,
+            slot=pb.ShmSlot(segment=segment, offset=0),
+        )
     client.close()
 
 
 @contextlib.contextmanager
 def two_workers(server, timeout=30.0):
     """Runtimes of ranks 0 and 1 of a 2-worker job on `server`."""
-    rt = [Runtime(Config(servers=(server.address,), num_workers=2,
-                         worker_rank=r, partition_bytes=PARTITION,
-                         timeout=timeout))
-          for r in range(2)]  # fmt: skip
+    rt = [
+        Runtime(
+            Config(
+                servers=(server.address,),
+                num_workers=2,
+                worker_rank=r,
+                partition_bytes=PARTITION,
+                timeout=timeout,
+            )
+        )
+        for r in range(2)
+    ]
     try:
         yield rt
     finally:
@@ -153,9 +182,15 @@ def test_retried_push_from_a_slot_is_counted_once(start_servers):
         lane = rt[0]._lanes[0]
         slot = lane.pool.take(x.nbytes)
         np.copyto(slot.array(x.dtype, x.size), x)
-        header = pb.Header(version=_wire.PROTOCOL_VERSION, job_id="jaxps",
-                           rank=0, key=5, round=0, dtype=pb.FLOAT32,
-                           length=x.size)  # fmt: skip
+        header = pb.Header(
+            version=_wire.PROTOCOL_VERSION,
+            job_id="jaxps",
+            rank=0,
+            key=5,
+            round=0,
+            dtype=pb.FLOAT32,
+            length=x.size,
+        )
         for _ in range(3):  # the same push, replayed
             soon = time.monotonic() + 10
             lane.client.push(header, None, 7, soon, slot=slot.ref)
@@ -183,17 +218,25 @@ def test_replayed_push_pull_is_counted_once(start_servers):
         headers = []
         for rank, (slot, x) in enumerate(zip(slots, xs)):
             np.copyto(slot.array(x.dtype, x.size), x)
-            headers.append(pb.Header(
-                version=_wire.PROTOCOL_VERSION, job_id="jaxps", rank=rank,
-                key=5, round=0, dtype=pb.FLOAT32, length=x.size))
+            headers.append(
+                pb.Header(
+                    version=_wire.PROTOCOL_VERSION,
+                    job_id="jaxps",
+                    rank=rank,
+                    key=5,
+                    round=0,
+                    dtype=pb.FLOAT32,
+                    length=x.size,
+                )
+            )
         soon = time.monotonic() + 10
         # rank 0 waits for rank 1 (a future), which pushes twice
-        waiting = lanes[0].client.push_pull_future(headers[0], 7, soon,
-                                                   slots[0].ref)
+        waiting = lanes[0].client.push_pull_future(
+            headers[0], 7, soon, slots[0].ref
+        )
         for _ in range(2):
             lanes[1].client.push_pull(headers[1], 8, soon, slots[1].ref)
-        lanes[0].client.decode_pull(waiting.result(), headers[0],
-                                    slots[0].ref)
+        lanes[0].client.decode_pull(waiting.result(), headers[0], slots[0].ref)
         for slot in slots:
             np.testing.assert_array_equal(slot.array(np.float32, 100), 9.0)
         # the round is freed now; rank 0 replays (its reply "was lost")
@@ -222,10 +265,12 @@ def test_opposite_orders_do_not_deadlock(start_servers):
         names = [f"t{i}" for i in range(6)]
         x = np.arange(1000, dtype=np.float32)
         handles = [
-            [r.push_pull_async([n], [x * (rank + 1)], average=False)
-             for n in (names if rank == 0 else names[::-1])]
+            [
+                r.push_pull_async([n], [x * (rank + 1)], average=False)
+                for n in (names if rank == 0 else names[::-1])
+            ]
             for rank, r in enumerate(rt)
-        ]  # fmt: skip
+        ]
         for per_rank in handles:
             for handle in per_rank:
                 np.testing.assert_array_equal(handle.wait(20)[0], 3 * x)

@@ -296,12 +296,14 @@ def check_compression():
         update = jax.jit(tx.update)
         expected = _reference(kind, n, steps=3)
         for step in range(3):
-            updates, state = update(jnp.asarray(_grads(r, step)), state,
-                                    params)  # fmt: skip
+            updates, state = update(jnp.asarray(_grads(r, step)), state, params)
             np.testing.assert_allclose(
-                -np.asarray(updates), expected[step], rtol=2e-3, atol=1e-5,
+                -np.asarray(updates),
+                expected[step],
+                rtol=2e-3,
+                atol=1e-5,
                 err_msg=f"{kind} step {step}",
-            )  # fmt: skip
+            )
     # random-k: every worker keeps the same coordinates
     tx = jaxps.DistributedOptimizer(
         optax.sgd(1.0), compression=c.randomk(0.1, seed=3), name="crk"
@@ -313,8 +315,9 @@ def check_compression():
     kept = np.flatnonzero(np.asarray(updates))
     assert len(kept) == 26, len(kept)
     mean = sum(_grads(q, 0) for q in range(n)) / n
-    np.testing.assert_allclose(-np.asarray(updates)[kept], mean[kept],
-                               rtol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(
+        -np.asarray(updates)[kept], mean[kept], rtol=1e-5
+    )
     residual = np.asarray(state.compression_state.residual)
     np.testing.assert_allclose(residual[kept], 0, atol=1e-6)
 

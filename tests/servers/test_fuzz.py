@@ -148,8 +148,14 @@ def raw_call(channel, method, data):
 
 
 def header_bytes(**fields):
-    base = dict(version=_wire.PROTOCOL_VERSION, job_id="jaxps", rank=0,
-                key=1, round=0, dtype=1)
+    base = dict(
+        version=_wire.PROTOCOL_VERSION,
+        job_id="jaxps",
+        rank=0,
+        key=1,
+        round=0,
+        dtype=1,
+    )
     base.update(fields)
     return pb.Header(**base)
 

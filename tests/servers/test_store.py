@@ -294,10 +294,15 @@ def lend(store, key, rnd, rank, array):
     """Pushes `array` from a slot lent to the store; returns the slot."""
     slot = bytearray(array.tobytes())
     ticket = store.begin_push(
-        key=key, round=rnd, rank=rank,
-        dtype_code=_wire.dtype_code(array.dtype), length=array.size,
-        payload=memoryview(slot), checksum=rank, lent=True,
-    )  # fmt: skip
+        key=key,
+        round=rnd,
+        rank=rank,
+        dtype_code=_wire.dtype_code(array.dtype),
+        length=array.size,
+        payload=memoryview(slot),
+        checksum=rank,
+        lent=True,
+    )
     ticket.run()
     store.finish_push(ticket)
     return slot
@@ -305,9 +310,13 @@ def lend(store, key, rnd, rank, array):
 
 def pull_into(store, key, rnd, rank, like, slot):
     _, got = store.pull(
-        key=key, round=rnd, rank=rank, dtype_code=_wire.dtype_code(like.dtype),
-        length=like.size, into=memoryview(slot),
-    )  # fmt: skip
+        key=key,
+        round=rnd,
+        rank=rank,
+        dtype_code=_wire.dtype_code(like.dtype),
+        length=like.size,
+        into=memoryview(slot),
+    )
     return got
 
 
@@ -340,8 +349,7 @@ def test_lent_sum_spanning_many_blocks(n):
     expected = np.sum(parts, axis=0)
     for rank, slot in enumerate(slots):
         pull_into(store, 1, 0, rank, parts[0], slot)
-        np.testing.assert_array_equal(np.frombuffer(slot, np.float32),
-                                      expected)
+        np.testing.assert_array_equal(np.frombuffer(slot, np.float32), expected)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -359,12 +367,12 @@ def test_lent_and_grpc_pushes_mix(lenders, deterministic):
             push(store, 1, 0, rank, xs[rank])
     for rank, slot in slots.items():
         pull_into(store, 1, 0, rank, xs[0], slot)
-        np.testing.assert_array_equal(np.frombuffer(slot, np.float32),
-                                      6 * xs[0])
+        np.testing.assert_array_equal(
+            np.frombuffer(slot, np.float32), 6 * xs[0]
+        )
         slot[:] = b"\xff" * len(slot)
     for rank in set(range(3)) - set(lenders):
-        np.testing.assert_array_equal(pull(store, 1, 0, rank, xs[0]),
-                                      6 * xs[0])
+        np.testing.assert_array_equal(pull(store, 1, 0, rank, xs[0]), 6 * xs[0])
 
 
 def test_lender_must_pull_into_its_slot():

@@ -30,8 +30,9 @@ def test_add_matches_numpy(kind, offset, n):
     # offsets make `out` unaligned, so the scalar head runs too
     dtype = KINDS[kind]
     rng = np.random.default_rng(n)
-    a, b = (rng.integers(-1000, 1000, n + offset).astype(dtype)
-            for _ in range(2))  # fmt: skip
+    a, b = (
+        rng.integers(-1000, 1000, n + offset).astype(dtype) for _ in range(2)
+    )
     out = np.full(n + offset, 7, dtype)
     _sum.add(kind, a[offset:], b[offset:], out[offset:])
     np.testing.assert_array_equal(out[offset:], a[offset:] + b[offset:])
@@ -70,11 +71,23 @@ def test_store_sum_of_payloads_is_exact(dtype):
     for rank in range(2):
         payload = (x * (rank + 1)).tobytes()
         ticket = store.begin_push(
-            key=1, round=0, rank=rank, dtype_code=_wire.dtype_code(x.dtype),
-            length=x.size, payload=payload, checksum=rank)  # fmt: skip
+            key=1,
+            round=0,
+            rank=rank,
+            dtype_code=_wire.dtype_code(x.dtype),
+            length=x.size,
+            payload=payload,
+            checksum=rank,
+        )
         ticket.run()
-    _, got = store.pull(key=1, round=0, rank=0,
-                        dtype_code=_wire.dtype_code(x.dtype), length=x.size,
-                        raw=True)  # fmt: skip
-    np.testing.assert_array_equal(got.astype(np.float64),
-                                  3 * x.astype(np.float64))
+    _, got = store.pull(
+        key=1,
+        round=0,
+        rank=0,
+        dtype_code=_wire.dtype_code(x.dtype),
+        length=x.size,
+        raw=True,
+    )
+    np.testing.assert_array_equal(
+        got.astype(np.float64), 3 * x.astype(np.float64)
+    )
