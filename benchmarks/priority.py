@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxps._src.config import Config
 from jaxps._src.runtime import Runtime
-from jaxps.servers._cli import READY_PREFIX
+from jaxps.servers._wire import READY_PREFIX
 
 
 def arrivals(

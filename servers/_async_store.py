@@ -108,7 +108,7 @@ class AsyncStore(Store):
         `raw` (None, the value array), or with `into` (None, `into`) after
         copying the value there."""
         del round, now
-        self._check_rank(rank)
+        self.check_rank(rank)
         k = self._keys.get(key)
         if k is None or k.value is None:
             raise StoreError(

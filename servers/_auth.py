@@ -7,8 +7,8 @@ import pathlib
 
 import grpc
 
-#: Metadata key that carries the job's shared token.
-TOKEN_KEY = "jaxps-token"
+from ._wire import TOKEN_KEY
+
 _OPEN = ("/grpc.health.v1.Health/",)  # health checks need no token
 
 

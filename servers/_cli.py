@@ -9,8 +9,7 @@ import os
 import sys
 
 from . import _server
-
-READY_PREFIX = "jaxps-server listening on "
+from ._wire import READY_PREFIX
 
 
 def _parser() -> argparse.ArgumentParser:

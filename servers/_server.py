@@ -11,11 +11,9 @@ import grpc
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from . import _auth, _metrics, _service
+from . import _auth, _metrics, _service, _wire
 
 log = logging.getLogger("jaxps.server")
-
-SERVICE_NAME = _service.SERVICE
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,24 +59,6 @@ class ServerOptions:
     status_interval: float | None = None
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """gRPC options shared by servers and worker channels."""
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        # Keepalive finds peers that vanish without closing the connection.
-        # Not tighter: on a busy slow link a ping's answer queues behind
-        # megabytes of payload, and a healthy connection would be dropped.
-        # Frozen peers are found sooner by every call's deadline.
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 20_000),
-        ("grpc.http2.ping_timeout_ms", 20_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.http2.min_ping_interval_without_data_ms", 1000),
-    ]
-
-
 class Server:
     """A running summation server (use `create_server`)."""
 
@@ -109,7 +89,7 @@ class Server:
                 self._print_status(self.options.status_interval)
             )
         await self.health.set(
-            SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING
+            _wire.SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING
         )
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._expiry = asyncio.get_running_loop().create_task(
@@ -151,7 +131,7 @@ def create_server(opts: ServerOptions) -> Server:
         deterministic=opts.deterministic,
         async_mode=opts.async_mode,
     )
-    options = channel_options(opts.max_message_bytes) + [
+    options = _wire.channel_options(opts.max_message_bytes) + [
         ("grpc.so_reuseport", 0),
     ]
     interceptors = []

@@ -16,8 +16,6 @@ from . import jaxps_pb2 as pb
 
 log = logging.getLogger("jaxps.server")
 
-SERVICE = "jaxps.Summation"
-INCARNATION_KEY = "jaxps-incarnation"
 
 _CODES = {
     "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
@@ -129,7 +127,7 @@ class SummationServicer:
                 response_serializer=pb.DetachReply.SerializeToString,
             ),
         }
-        return grpc.method_handlers_generic_handler(SERVICE, methods)
+        return grpc.method_handlers_generic_handler(_wire.SERVICE_NAME, methods)
 
     # -- request checks ------------------------------------------------------
 
@@ -153,7 +151,9 @@ class SummationServicer:
     async def _abort(self, context, err: _store.StoreError):
         code = _CODES.get(err.code) or getattr(grpc.StatusCode, err.code)
         # Lets a worker tell "rejected" from "rejected by a restarted server".
-        context.set_trailing_metadata(((INCARNATION_KEY, self.incarnation),))
+        context.set_trailing_metadata(
+            ((_wire.INCARNATION_KEY, self.incarnation),)
+        )
         await context.abort(code, err.message)
 
     # -- RPCs --------------------------------------------------------------
@@ -164,7 +164,7 @@ class SummationServicer:
             self._check_header(
                 pb.Header(version=request.version, job_id=request.job_id)
             )
-            self.store._check_rank(request.rank)
+            self.store.check_rank(request.rank)
             if request.num_workers != self.store.num_workers:
                 raise _store.StoreError(
                     "FAILED_PRECONDITION",
@@ -311,7 +311,7 @@ class SummationServicer:
         try:
             request = _decode(pb.AttachRequest, request)
             self._check_header(request.header)
-            self.store._check_rank(request.header.rank)
+            self.store.check_rank(request.header.rank)
             segment = self.segments.attach(
                 request.header.rank, request.name, request.size, request.token
             )

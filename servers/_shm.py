@@ -19,16 +19,15 @@ import os
 import re
 import stat
 
-from ._store import StoreError
+from ._wire import SHM_DIR as SHM_DIR
+from ._wire import SHM_MAP_FLAGS as MAP_FLAGS
+from ._wire import SHM_TOKEN_BYTES as TOKEN_BYTES
+from ._wire import Rejected as StoreError
 
-SHM_DIR = "/dev/shm"
-TOKEN_BYTES = 16
 #: Names of segment files: "jaxps-" and 32 hex digits.
 NAME = re.compile(r"jaxps-[0-9a-f]{32}")
 #: Most segments one rank may have attached at once.
 MAX_SEGMENTS = 4096
-#: Shared mapping, with its page tables filled at once (no faults later).
-MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 class Segments:

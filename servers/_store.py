@@ -45,13 +45,8 @@ _ACCUMULATOR = {
 }
 
 
-class StoreError(Exception):
-    """A request the store refuses; `code` names the gRPC status to send."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
-        self.message = message
+#: The store refuses requests with `_wire.Rejected`.
+StoreError = _wire.Rejected
 
 
 def _accumulator_dtype(dtype: np.dtype) -> np.dtype:
@@ -345,7 +340,7 @@ class Store:
         self, key, round, rank, dtype_code, length, payload, name
     ) -> tuple[Key, np.dtype]:
         """Checks rank, dtype and size; returns the key (created if new)."""
-        self._check_rank(rank)
+        self.check_rank(rank)
         dtype = self._dtype(key, dtype_code)
         label = f"{key} ({name})" if name else str(key)
         if length < 1 or len(payload) != length * dtype.itemsize:
@@ -399,7 +394,7 @@ class Store:
         buffer) it is put there and `into` is returned. A rank that lent
         its push must pull into the same buffer, where the sum already is.
         """
-        self._check_rank(rank)
+        self.check_rank(rank)
         k = self._keys.get(key)
         if k is None:
             raise StoreError(
@@ -520,7 +515,7 @@ class Store:
 
     # -- helpers -----------------------------------------------------------
 
-    def _check_rank(self, rank: int) -> None:
+    def check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.num_workers:
             raise StoreError(
                 "INVALID_ARGUMENT",

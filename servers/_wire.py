@@ -1,7 +1,15 @@
-"""Constants and conversions shared by the server and the worker runtime."""
+"""The wire contract: everything the server and the workers agree on.
+
+The worker side imports nothing else from ``jaxps.servers`` but this module,
+the generated messages (``jaxps_pb2``) and their payload codec (``_codec``):
+service and metadata names, channel options, the server's ready line, the
+shared-memory constants, the dtype codes and keys, and `Rejected`, the
+gRPC-neutral form of a refused request.
+"""
 
 from __future__ import annotations
 
+import mmap
 import zlib
 
 import ml_dtypes
@@ -10,10 +18,56 @@ import numpy as np
 from . import jaxps_pb2 as pb
 
 PROTOCOL_VERSION = 2
+#: The gRPC service of a summation server (also its health-check name).
+SERVICE_NAME = "jaxps.Summation"
+#: Trailing metadata of every rejection: the server's incarnation id, so a
+#: worker tells "rejected" from "rejected by a restarted server".
+INCARNATION_KEY = "jaxps-incarnation"
+#: Metadata key that carries the job's shared token.
+TOKEN_KEY = "jaxps-token"
+#: A server prints this, then ``HOST:PORT``, once it is listening.
+READY_PREFIX = "jaxps-server listening on "
+
+#: Where workers create shared-memory segments for a server on their host.
+SHM_DIR = "/dev/shm"
+#: Bytes of the random token at the start of a segment.
+SHM_TOKEN_BYTES = 16
+#: Shared mapping, with its page tables filled at once (no faults later).
+SHM_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
 CHUNK_BITS = 16
 MAX_CHUNKS = 1 << CHUNK_BITS
 #: Room on top of a chunk for the header fields of one message.
 MESSAGE_OVERHEAD = 64 * 1024
+
+
+class Rejected(Exception):
+    """A request the server refuses; `code` names the gRPC status to send
+    (``"INVALID_ARGUMENT"``, ``"ABORTED"``, ...)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """gRPC options shared by servers and worker channels."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Keepalive finds peers that vanish without closing the connection.
+        # Not tighter: on a busy slow link a ping's answer queues behind
+        # megabytes of payload, and a healthy connection would be dropped.
+        # Frozen peers are found sooner by every call's deadline.
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 20_000),
+        ("grpc.http2.ping_timeout_ms", 20_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+    ]
+
 
 _BY_CODE = {
     pb.FLOAT32: np.dtype(np.float32),

@@ -9,7 +9,7 @@ import sys  # noqa: E402
 
 import pytest  # noqa: E402
 
-from jaxps.servers._cli import READY_PREFIX  # noqa: E402
+from jaxps.servers._wire import READY_PREFIX  # noqa: E402
 
 
 class ServerProcess:

@@ -8,10 +8,8 @@ import time
 import grpc
 
 from jaxps._src import errors
-from jaxps.servers import _auth, _codec, _wire
+from jaxps.servers import _codec, _wire
 from jaxps.servers import jaxps_pb2 as pb
-from jaxps.servers._server import SERVICE_NAME, channel_options
-from jaxps.servers._service import INCARNATION_KEY
 
 #: Longest pause between two attempts of a call that failed with UNAVAILABLE.
 #: Such calls are retried until their deadline: a push is deduplicated by the
@@ -70,7 +68,7 @@ class ServerClient:
     ):
         self.address = address
         self.timeout = timeout
-        options = channel_options(max_message_bytes) + [
+        options = _wire.channel_options(max_message_bytes) + [
             ("grpc.max_reconnect_backoff_ms", 1000),
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.enable_retries", 0),
@@ -84,8 +82,8 @@ class ServerClient:
             self._channel = grpc.secure_channel(
                 address, credentials, options=options
             )
-        self._metadata = ((_auth.TOKEN_KEY, token),) if token else None
-        method = f"/{SERVICE_NAME}/"
+        self._metadata = ((_wire.TOKEN_KEY, token),) if token else None
+        method = f"/{_wire.SERVICE_NAME}/"
         self._hello = self._channel.unary_unary(
             method + "Hello",
             request_serializer=pb.HelloRequest.SerializeToString,
@@ -287,7 +285,10 @@ class ServerClient:
         except Exception:  # noqa: BLE001 - not every RpcError has metadata
             return None
         for key, value in trailing:
-            if key == INCARNATION_KEY and self.incarnation not in (None, value):
+            if key == _wire.INCARNATION_KEY and self.incarnation not in (
+                None,
+                value,
+            ):
                 return errors.ServerRestartedError(
                     f"server {self.address} restarted during the job and lost "
                     f"its rounds (it now says: {err.details()}); restart the "

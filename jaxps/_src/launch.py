@@ -32,8 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 from jaxps._src import hostfile
-from jaxps.servers import ServerOptions
-from jaxps.servers._cli import READY_PREFIX
+from jaxps.servers._wire import READY_PREFIX
 
 #: Seconds a server may take to print its ready line.
 SERVER_START_TIMEOUT = 30.0
@@ -70,7 +69,8 @@ class LaunchConfig:
       servers: number of summation servers.
       timeout: the servers' round timeout in seconds.
       job_id: the job id given to servers and workers.
-      engine_threads: summation threads per server.
+      engine_threads: summation threads per server (None: the server's
+        default).
       command: the worker command line.
       worker_env: extra environment variables of every worker.
       server_flags: extra ``jaxps-server`` flags (``--async``, ...).
@@ -83,7 +83,7 @@ class LaunchConfig:
     servers: int
     timeout: float
     job_id: str
-    engine_threads: int
+    engine_threads: int | None
     command: tuple[str, ...]
     worker_env: dict[str, str]
     server_flags: tuple[str, ...] = ()
@@ -145,9 +145,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engine-threads",
         type=int,
-        default=ServerOptions.engine_threads,
+        default=None,
         metavar="T",
-        help="summation threads per server (default %(default)s)",
+        help="summation threads per server (default: jaxps-server's)",
     )
     p.add_argument(
         "--hostfile",
@@ -217,7 +217,7 @@ def _validate(
         )
     if args.timeout is not None and not args.timeout > 0:
         parser.error(f"--timeout must be > 0, got {args.timeout}")
-    if args.engine_threads < 1:
+    if args.engine_threads is not None and args.engine_threads < 1:
         parser.error(
             f"--engine-threads must be >= 1, got {args.engine_threads}"
         )
@@ -545,8 +545,11 @@ class Launcher:
             str(c.timeout),
             "--job-id",
             c.job_id,
-            "--engine-threads",
-            str(c.engine_threads),
+            *(
+                ()
+                if c.engine_threads is None
+                else ("--engine-threads", str(c.engine_threads))
+            ),
             *c.server_flags,
         ]
 

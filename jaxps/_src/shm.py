@@ -1,13 +1,12 @@
 """Shared-memory slots that carry payloads to a server on the same host.
 
 A `SlotPool` holds fixed-size slots in segments that one server attached
-(see `jaxps.servers._shm`). A chunk takes a slot, is copied into it and
-pushed by reference; the slot is then the server's until the chunk's pull
-(which names the same slot) returns with the sum in it, and it is given back
-once the sum is copied out. Segments are
-added as needed up to a limit; past it `take` returns None and the chunk
-goes through gRPC, so a pool never waits (and never waits on other
-workers).
+(the server side is `jaxps.servers._shm`). A chunk takes a slot, is copied
+into it and pushed by reference; the slot is then the server's until the
+chunk's pull (which names the same slot) returns with the sum in it, and it
+is given back once the sum is copied out. Segments are added as needed up
+to a limit; past it `take` returns None and the chunk goes through gRPC, so
+a pool never waits (and never waits on other workers).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import threading
 
 import numpy as np
 
-from jaxps.servers import _shm
+from jaxps.servers import _wire
 from jaxps.servers import jaxps_pb2 as pb
 
 log = logging.getLogger("jaxps")
@@ -95,7 +94,7 @@ class SlotPool:
     def _grow(self) -> None:
         size = self.segment_bytes
         name = "jaxps-" + secrets.token_hex(16)
-        path = os.path.join(_shm.SHM_DIR, name)
+        path = os.path.join(_wire.SHM_DIR, name)
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         except OSError as err:
@@ -106,10 +105,10 @@ class SlotPool:
                 # reserve the memory now: a full /dev/shm must fail here,
                 # not with SIGBUS when a slot is first written
                 os.posix_fallocate(fd, 0, size)
-                segment = mmap.mmap(fd, size, flags=_shm.MAP_FLAGS)
+                segment = mmap.mmap(fd, size, flags=_wire.SHM_MAP_FLAGS)
             finally:
                 os.close(fd)
-            token = secrets.token_bytes(_shm.TOKEN_BYTES)
+            token = secrets.token_bytes(_wire.SHM_TOKEN_BYTES)
             segment[: len(token)] = token
             try:
                 segment_id = self._attach(name, size, token)

@@ -70,7 +70,7 @@ def test_server_on_another_host_falls_back_to_grpc(
 ):
     # The worker writes its segment where the server cannot see it, as on
     # another host (or another container): every payload goes through gRPC.
-    monkeypatch.setattr(_shm, "SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(_wire, "SHM_DIR", str(tmp_path))
     servers = start_servers(1, 2)
     x = np.arange(3 * PARTITION // 4, dtype=np.float32)
 
