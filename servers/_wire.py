@@ -9,7 +9,10 @@ gRPC-neutral form of a refused request.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import mmap
+import struct
 import zlib
 
 import ml_dtypes
@@ -120,3 +123,57 @@ def make_key(tensor_id: int, chunk: int) -> int:
 def checksum(payload) -> int:
     """Returns the crc32 of a payload (bytes or a buffer)."""
     return zlib.crc32(payload) & 0xFFFFFFFF
+
+
+# -- the data channel ---------------------------------------------------------
+#
+# Bulk payloads to a server on another host may travel on plain TCP instead
+# of gRPC messages. The server offers the channel in its HelloReply (a port
+# and a one-time nonce); the worker connects and sends DATA_HELLO, whose mac
+# is HMAC-SHA256 under the job's token (an empty key without one) of the
+# nonce, the rank and the job id. The server answers with a DATA_REPLY (kind
+# DATA_OK, body: its incarnation) or an error and closes. Then each request
+# is a DATA_REQUEST, the chunk's name (utf-8) and its payload; the server
+# answers DATA_ACK once the push is accepted and DATA_SUM with the sum once
+# the round is complete, or DATA_ERROR with a message at any point.
+
+DATA_MAGIC = b"JXPD"
+#: magic, protocol version, rank, nonce, mac.
+DATA_HELLO = struct.Struct("<4sII16s32s")
+#: op, dtype code, name bytes, rank, key, round, length (elements),
+#: checksum, request id, seconds the worker waits for the sum.
+DATA_REQUEST = struct.Struct("<BBHIQQQIId")
+#: kind, status code (`STATUS_CODES` index), request id, body bytes.
+DATA_REPLY = struct.Struct("<BBxxIQ")
+DATA_OP_PUSH_PULL = 1
+DATA_OK, DATA_ACK, DATA_SUM, DATA_ERROR = 0, 1, 2, 3
+DATA_NONCE_BYTES = 16
+#: Longest error message or chunk name on the data channel.
+DATA_MAX_TEXT = 1 << 16
+
+#: gRPC status names by their numeric code (the data channel sends codes).
+STATUS_CODES = (
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+)
+
+
+def data_mac(token: str | None, nonce: bytes, rank: int, job_id: str) -> bytes:
+    """The mac of a data-channel hello (HMAC-SHA256)."""
+    msg = nonce + struct.pack("<I", rank) + job_id.encode()
+    return hmac.new((token or "").encode(), msg, hashlib.sha256).digest()

@@ -57,18 +57,22 @@ class HelloRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., num_workers: _Optional[int] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("version", "incarnation", "num_workers", "job_id", "async_mode")
+    __slots__ = ("version", "incarnation", "num_workers", "job_id", "async_mode", "data_port", "data_nonce")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     ASYNC_MODE_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    DATA_NONCE_FIELD_NUMBER: _ClassVar[int]
     version: int
     incarnation: str
     num_workers: int
     job_id: str
     async_mode: bool
-    def __init__(self, version: _Optional[int] = ..., incarnation: _Optional[str] = ..., num_workers: _Optional[int] = ..., job_id: _Optional[str] = ..., async_mode: _Optional[bool] = ...) -> None: ...
+    data_port: int
+    data_nonce: bytes
+    def __init__(self, version: _Optional[int] = ..., incarnation: _Optional[str] = ..., num_workers: _Optional[int] = ..., job_id: _Optional[str] = ..., async_mode: _Optional[bool] = ..., data_port: _Optional[int] = ..., data_nonce: _Optional[bytes] = ...) -> None: ...
 
 class ShmSlot(_message.Message):
     __slots__ = ("segment", "offset")

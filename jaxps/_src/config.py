@@ -38,7 +38,11 @@ ENV = {
     "tls_ca": "JAXPS_TLS_CA",
     "trace_dir": "JAXPS_TRACE_DIR",
     "shm_bytes": "JAXPS_SHM_BYTES",
+    "transport": "JAXPS_TRANSPORT",
 }
+
+#: Values of `Config.transport`.
+TRANSPORTS = ("auto", "shm", "tcp", "grpc")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,6 +74,12 @@ class Config:
       shm_bytes: most shared memory, per server, that carries payloads to
         and from a server reached on a loopback address (the same host)
         instead of gRPC messages; 0 sends every payload through gRPC.
+      transport: how payloads travel. ``"auto"``: shared memory to a server
+        on this host (within `shm_bytes`), the data channel (plain TCP,
+        negotiated over gRPC) to a server on another host that offers one,
+        else gRPC messages. ``"tcp"``: the data channel to every server
+        that offers one; ``"grpc"``: gRPC messages only; ``"shm"``: like
+        ``"auto"`` but gRPC messages instead of the data channel.
     """
 
     servers: tuple[str, ...] = ()
@@ -86,6 +96,7 @@ class Config:
     tls_key: str | None = None
     trace_dir: str | None = None
     shm_bytes: int = 64 * DEFAULT_PARTITION_BYTES
+    transport: str = "auto"
 
     def __post_init__(self):
         _check_int("num_workers", self.num_workers, low=1)
@@ -98,6 +109,11 @@ class Config:
         _check_int("partition_bytes", self.partition_bytes, low=8)
         _check_int("credit_bytes", self.credit_bytes, low=1)
         _check_int("shm_bytes", self.shm_bytes, low=0)
+        if self.transport not in TRANSPORTS:
+            raise errors.ConfigError(
+                f"transport must be one of {', '.join(TRANSPORTS)}. Got "
+                f"transport={self.transport!r}."
+            )
         if not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
             raise errors.ConfigError(
                 f"timeout must be a positive number of seconds. Got "
@@ -191,6 +207,7 @@ def _parse(name: str, text: str) -> Any:
         "token",
         "tls_ca",
         "trace_dir",
+        "transport",
     ):
         return text
     try:
