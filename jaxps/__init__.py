@@ -29,7 +29,7 @@ _LAZY = {
     "AsyncState": "jaxps._src.optimizer",
     "DistributedOptimizer": "jaxps._src.optimizer",
     "DistributedState": "jaxps._src.optimizer",
-    "broadcast": "jaxps._src.optimizer",
+    "broadcast": "jaxps.ops",
     "push_pull": "jaxps.ops",
 }
 
@@ -56,9 +56,8 @@ if typing.TYPE_CHECKING:  # the lazy names, for type checkers and readers
         AsyncState,
         DistributedOptimizer,
         DistributedState,
-        broadcast,
     )
-    from jaxps.ops import push_pull  # noqa: F401
+    from jaxps.ops import broadcast, push_pull  # noqa: F401
 
 __all__ = [
     "AsyncDistributedOptimizer",

@@ -2,12 +2,14 @@
 
 `push_pull` is a JAX primitive (``jaxps_push_pull``) that lowers to a pair of
 XLA host callbacks: a start that hands the arrays to the worker runtime and a
-done that waits for the sums.
+done that waits for the sums. `broadcast` hands one worker's values to all
+of them through the same primitive.
 """
 
+from jaxps.ops._broadcast import broadcast as broadcast
 from jaxps.ops._primitive import push_pull_p as push_pull_p
 from jaxps.ops._push_pull import push_pull as push_pull
 
 # push_pull_p (the Primitive object) is importable for transformation
 # authors, but not part of the documented surface.
-__all__ = ["push_pull"]
+__all__ = ["broadcast", "push_pull"]
