@@ -51,7 +51,7 @@ def push_pull(
       A pytree like `tree` with the sums (or means).
 
     >>> import jax.numpy as jnp, jaxps
-    >>> jaxps.init(num_workers=1)
+    >>> _ = jaxps.init(num_workers=1)
     >>> jaxps.push_pull({"w": jnp.ones(2)})
     {'w': Array([1., 1.], dtype=float32)}
     >>> jaxps.shutdown()
