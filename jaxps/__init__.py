@@ -29,6 +29,8 @@ _LAZY = {
     "AsyncState": "jaxps._src.optimizer",
     "DistributedOptimizer": "jaxps._src.optimizer",
     "DistributedState": "jaxps._src.optimizer",
+    "SyncGradientsState": "jaxps._src.optimizer",
+    "sync_gradients": "jaxps._src.optimizer",
     "broadcast": "jaxps.ops",
     "push_pull": "jaxps.ops",
 }
@@ -56,6 +58,8 @@ if typing.TYPE_CHECKING:  # the lazy names, for type checkers and readers
         AsyncState,
         DistributedOptimizer,
         DistributedState,
+        SyncGradientsState,
+        sync_gradients,
     )
     from jaxps.ops import broadcast, push_pull  # noqa: F401
 
@@ -65,6 +69,7 @@ __all__ = [
     "Config",
     "DistributedOptimizer",
     "DistributedState",
+    "SyncGradientsState",
     "broadcast",
     "compression",
     "cpu_server_share",
@@ -77,4 +82,5 @@ __all__ = [
     "rank",
     "shutdown",
     "size",
+    "sync_gradients",
 ]

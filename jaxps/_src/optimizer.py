@@ -1,4 +1,4 @@
-"""`DistributedOptimizer`: an optax wrapper that push_pulls the gradients."""
+"""Optax transformations that push_pull: `sync_gradients`, the optimizers."""
 
 from __future__ import annotations
 
@@ -14,8 +14,116 @@ from jaxps._src.runtime import ASYNC_NAMES
 from jaxps.ops import push_pull
 
 
+class SyncGradientsState(NamedTuple):
+    """State of `sync_gradients`."""
+
+    grad_acc: optax.Updates  # local sum of the mini-steps' gradients
+    mini_step: jax.Array  # int32: mini-steps since the last communication
+    compression_state: Any = ()  # e.g. error-feedback residuals
+
+
+def _check_passes(k):
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(
+            f"backward_passes_per_step must be an int >= 1. Got "
+            f"backward_passes_per_step={k!r}."
+        )
+    return k
+
+
+def _every_kth(k, updates, acc, mini_step, run, carry):
+    """Sums `updates` into `acc`; every k-th call runs `run(acc / k, carry)`.
+
+    One `lax.cond` gates `run` (and so the push_pull in it). Returns
+    ``(out, carry, acc, mini_step)``; between runs `out` is zeros and `carry`
+    is unchanged.
+    """
+    acc = jax.tree.map(jnp.add, acc, updates)
+    step = mini_step + 1
+
+    def communicate(acc):
+        out, new_carry = run(jax.tree.map(lambda g: g / k, acc), carry)
+        return out, new_carry, jax.tree.map(jnp.zeros_like, acc)
+
+    def accumulate(acc):
+        return jax.tree.map(jnp.zeros_like, updates), carry, acc
+
+    out, carry, acc = lax.cond(step % k == 0, communicate, accumulate, acc)
+    return out, carry, acc, step % k
+
+
+def sync_gradients(
+    *,
+    average: bool = True,
+    backward_passes_per_step: int = 1,
+    axis_name=None,
+    name: str = "grads",
+    compression: Compression | None = None,
+) -> optax.GradientTransformation:
+    """Replaces the gradients by their mean (or sum) over all workers.
+
+    A chainable transformation: each `update` push_pulls the gradients to
+    the summation servers. With ``backward_passes_per_step=k`` the gradients
+    of k updates are summed locally and their mean is communicated once, on
+    every k-th update; the updates in between are zeros. An optimizer
+    chained after it still steps on those zeros (a stateful one changes its
+    state); `DistributedOptimizer(inner, backward_passes_per_step=k)` skips
+    `inner` instead.
+
+    Args:
+      average: average (rather than sum) the gradients over workers.
+      backward_passes_per_step: local accumulation steps per communication.
+      axis_name: the shard_map / pmap axis of the local devices, if any.
+      name: push_pull name of the gradients (unique per transformation).
+      compression: a `jaxps.compression` scheme for the wire (it averages).
+
+    Returns:
+      An `optax.GradientTransformation`.
+
+    >>> import jax.numpy as jnp, optax, jaxps
+    >>> _ = jaxps.init(num_workers=1)
+    >>> opt = optax.chain(jaxps.sync_gradients(), optax.sgd(0.1))
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = opt.init(params)
+    >>> updates, state = opt.update({"w": jnp.ones(2)}, state, params)
+    >>> updates["w"]
+    Array([-0.1, -0.1], dtype=float32)
+    >>> jaxps.shutdown()
+    """
+    k = _check_passes(backward_passes_per_step)
+    if compression is not None and (axis_name is not None or not average):
+        raise ValueError(
+            "compression averages over workers on one device per worker: it "
+            "cannot be combined with axis_name or average=False."
+        )
+
+    def sync(grads, comp_state):
+        if compression is not None:
+            return compression.reduce(grads, comp_state, name)
+        mean = push_pull(grads, average=average, name=name, axis_name=axis_name)
+        return mean, comp_state
+
+    def init_fn(params):
+        acc = jax.tree.map(jnp.zeros_like, params) if k > 1 else ()
+        comp = compression.init(params) if compression is not None else ()
+        return SyncGradientsState(acc, jnp.int32(0), comp)
+
+    def update_fn(updates, state, params=None):
+        del params
+        if k == 1:
+            mean, comp = sync(updates, state.compression_state)
+            return mean, state._replace(compression_state=comp)
+        comp = state.compression_state
+        mean, comp, acc, step = _every_kth(
+            k, updates, state.grad_acc, state.mini_step, sync, comp
+        )
+        return mean, SyncGradientsState(acc, step, comp)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
 class DistributedState(NamedTuple):
-    """State of `DistributedOptimizer`."""
+    """State of `DistributedOptimizer`: `inner`'s, then `sync_gradients`'."""
 
     inner_state: optax.OptState
     grad_acc: optax.Updates  # local sum of the mini-steps' gradients
@@ -34,11 +142,12 @@ def DistributedOptimizer(  # noqa: N802 - the name users know from BytePS
 ) -> optax.GradientTransformation:
     """Wraps an optax optimizer so that it sees the workers' mean gradient.
 
-    Each `update` push_pulls the gradients to the summation servers and hands
-    the result to `inner`; servers only sum, the optimizer runs here. With
+    ``optax.chain(sync_gradients(...), inner)``: each `update` push_pulls
+    the gradients to the summation servers and hands the result to `inner`;
+    servers only sum, the optimizer runs here. With
     ``backward_passes_per_step=k`` the gradients of k updates are summed
-    locally and communicated once, on every k-th update; the updates in
-    between are zero and leave `inner`'s state untouched.
+    locally and that chain runs once, on their mean, on every k-th update;
+    the updates in between are zero and leave `inner`'s state untouched.
 
     Args:
       inner: the optimizer to run on the synchronized gradients.
@@ -52,7 +161,7 @@ def DistributedOptimizer(  # noqa: N802 - the name users know from BytePS
       An `optax.GradientTransformation`.
 
     >>> import jax.numpy as jnp, optax, jaxps
-    >>> jaxps.init(num_workers=1)
+    >>> _ = jaxps.init(num_workers=1)
     >>> opt = jaxps.DistributedOptimizer(optax.sgd(0.1))
     >>> params = {"w": jnp.ones(2)}
     >>> state = opt.init(params)
@@ -61,54 +170,42 @@ def DistributedOptimizer(  # noqa: N802 - the name users know from BytePS
     Array([-0.1, -0.1], dtype=float32)
     >>> jaxps.shutdown()
     """
-    k = backward_passes_per_step
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(
-            f"backward_passes_per_step must be an int >= 1. Got "
-            f"backward_passes_per_step={k!r}."
-        )
-    if compression is not None and (axis_name is not None or not average):
-        raise ValueError(
-            "compression averages over workers on one device per worker: it "
-            "cannot be combined with axis_name or average=False."
-        )
-
-    def sync(grads, comp_state):
-        if compression is not None:
-            return compression.reduce(grads, comp_state, name)
-        mean = push_pull(grads, average=average, name=name, axis_name=axis_name)
-        return mean, comp_state
+    k = _check_passes(backward_passes_per_step)
+    tx = optax.chain(
+        sync_gradients(
+            average=average,
+            axis_name=axis_name,
+            name=name,
+            compression=compression,
+        ),
+        inner,
+    )
 
     def init_fn(params):
+        sync_state, inner_state = tx.init(params)
         acc = jax.tree.map(jnp.zeros_like, params) if k > 1 else ()
-        comp = compression.init(params) if compression is not None else ()
-        return DistributedState(inner.init(params), acc, jnp.int32(0), comp)
+        comp = sync_state.compression_state
+        return DistributedState(inner_state, acc, sync_state.mini_step, comp)
 
     def update_fn(updates, state, params=None):
+        def run(grads, carry):  # tx on this state's parts
+            inner_state, comp = carry
+            sync_state = SyncGradientsState((), state.mini_step, comp)
+            out, (sync_state, inner_state) = tx.update(
+                grads, (sync_state, inner_state), params
+            )
+            return out, (inner_state, sync_state.compression_state)
+
+        carry = (state.inner_state, state.compression_state)
         if k == 1:
-            mean, comp = sync(updates, state.compression_state)
-            out, inner_state = inner.update(mean, state.inner_state, params)
+            out, (inner_state, comp) = run(updates, carry)
             return out, state._replace(
                 inner_state=inner_state, compression_state=comp
             )
-        acc = jax.tree.map(jnp.add, state.grad_acc, updates)
-        step = state.mini_step + 1
-
-        def communicate(acc):
-            mean, comp = sync(
-                jax.tree.map(lambda g: g / k, acc), state.compression_state
-            )
-            out, inner_state = inner.update(mean, state.inner_state, params)
-            return out, inner_state, jax.tree.map(jnp.zeros_like, acc), comp
-
-        def accumulate(acc):
-            zeros = jax.tree.map(jnp.zeros_like, updates)
-            return zeros, state.inner_state, acc, state.compression_state
-
-        out, inner_state, acc, comp = lax.cond(
-            step % k == 0, communicate, accumulate, acc
+        out, (inner_state, comp), acc, step = _every_kth(
+            k, updates, state.grad_acc, state.mini_step, run, carry
         )
-        return out, DistributedState(inner_state, acc, step % k, comp)
+        return out, DistributedState(inner_state, acc, step, comp)
 
     return optax.GradientTransformation(init_fn, update_fn)
 

@@ -133,7 +133,8 @@ def _loss(params, x, y):
     return jnp.mean((pred - y) ** 2)
 
 
-def _train(tx, params, batches):
+def _trajectory(tx, params, batches):
+    """The params after each step, and the final optimizer state."""
     state = tx.init(params)
 
     @jax.jit
@@ -142,9 +143,15 @@ def _train(tx, params, batches):
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
+    trajectory = []
     for x, y in batches:
         params, state = step(params, state, x, y)
-    return params
+        trajectory.append(params)
+    return trajectory, state
+
+
+def _train(tx, params, batches):
+    return _trajectory(tx, params, batches)[0][-1]
 
 
 def check_optimizer_equivalence():
@@ -181,6 +188,77 @@ def check_accumulation():
         np.testing.assert_allclose(
             dist[key], reference[key], rtol=2e-4, atol=1e-5
         )
+
+
+def _assert_bitwise(actual, expected):
+    leaves, treedef = jax.tree.flatten(actual)
+    assert treedef == jax.tree.structure(expected), (actual, expected)
+    for a, e in zip(leaves, jax.tree.leaves(expected)):
+        a, e = np.asarray(a), np.asarray(e)
+        assert (a.dtype, a.shape) == (e.dtype, e.shape), (a, e)
+        assert a.tobytes() == e.tobytes(), (a, e)
+
+
+def check_sync_gradients():
+    """optax.chain(sync_gradients(), inner) == DistributedOptimizer(inner)."""
+    x, y = _linear_data()
+    n, r = jaxps.size(), jaxps.rank()
+    params = {"w": jnp.zeros(5), "b": jnp.zeros(())}
+    part = [(x[r::n], y[r::n])] * 10
+    topk = jaxps.compression.topk(0.5)
+    cases = [(optax.adam, None), (optax.sgd, None), (optax.adam, topk)]
+    for i, (make, comp) in enumerate(cases):
+        chained = optax.chain(
+            jaxps.sync_gradients(name=f"sg{i}", compression=comp), make(0.05)
+        )
+        wrapped = jaxps.DistributedOptimizer(
+            make(0.05), name=f"do{i}", compression=comp
+        )
+        got, (sync_state, inner_state) = _trajectory(chained, params, part)
+        want, state = _trajectory(wrapped, params, part)
+        _assert_bitwise(got, want)
+        _assert_bitwise(inner_state, state.inner_state)
+        _assert_bitwise(
+            sync_state,
+            jaxps.SyncGradientsState(
+                state.grad_acc, state.mini_step, state.compression_state
+            ),
+        )
+    # and it did synchronize: every worker holds the same parameters
+    root = jaxps.broadcast(got[-1], name="sg_check")
+    jax.tree.map(np.testing.assert_array_equal, got[-1], root)
+
+
+def check_sync_gradients_accumulation():
+    """backward_passes_per_step=2 chained == DistributedOptimizer's, per step.
+
+    With a stateless optimizer the zeros that sync_gradients returns between
+    communications leave the parameters as DistributedOptimizer does. The
+    learning rate is a power of two: XLA may fuse ``params - lr * mean``
+    into one multiply-add in the chain (where sgd runs outside the
+    `lax.cond`) and not in DistributedOptimizer, and an exact product rounds
+    the same either way.
+    """
+    x, y = _linear_data()
+    n, r, k = jaxps.size(), jaxps.rank(), 2
+    params = {"w": jnp.zeros(5), "b": jnp.zeros(())}
+    mine = x[r::n], y[r::n]
+    minis = [(mine[0][i::k], mine[1][i::k]) for i in range(k)]
+    minis = minis * 5 + minis[:1]  # ends between two communications
+    chained = optax.chain(
+        jaxps.sync_gradients(backward_passes_per_step=k, name="sgacc"),
+        optax.sgd(2**-4),
+    )
+    wrapped = jaxps.DistributedOptimizer(
+        optax.sgd(2**-4), backward_passes_per_step=k, name="doacc"
+    )
+    got, (sync_state, _) = _trajectory(chained, params, minis)
+    want, state = _trajectory(wrapped, params, minis)
+    _assert_bitwise(got, want)
+    _assert_bitwise(sync_state.grad_acc, state.grad_acc)
+    assert int(sync_state.mini_step) == int(state.mini_step) == 1
+    _assert_bitwise(got[0], params)  # a mini-step between communications
+    assert not np.array_equal(got[1]["w"], params["w"])  # communicated
 
 
 def check_flax():

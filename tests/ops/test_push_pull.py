@@ -1,4 +1,4 @@
-"""push_pull, DistributedOptimizer and broadcast in real JAX programs.
+"""push_pull, broadcast, sync_gradients and the optimizers in JAX programs.
 
 Each test starts real servers and one worker process per rank that runs
 `scenarios.py`, which checks its results against the expected sums.
@@ -21,6 +21,8 @@ ALL = [
     "broadcast",
     "optimizer_equivalence",
     "accumulation",
+    "sync_gradients",
+    "sync_gradients_accumulation",
     "flax",
 ]
 
