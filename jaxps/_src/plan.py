@@ -4,16 +4,33 @@ Large tensors are cut into chunks of at most `partition_bytes`; tensors that
 fit in a chunk are packed, per dtype and in order, into fused pieces of at
 most `partition_bytes`, so a model with many small tensors costs few calls.
 The plan depends only on the names, sizes and dtypes, so every worker makes
-the same one.
+the same one. `buffers` then lays a push_pull's arrays out along the plan:
+what each piece pushes and where its sum lands.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
 
 from jaxps._src import topology
 from jaxps.servers import _wire
+
+
+class Member(NamedTuple):
+    """The elements ``[start, stop)`` of tensor `tensor` (its index)."""
+
+    tensor: int
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +42,8 @@ class Piece:
       key: the server key.
       label: a readable name, for messages.
       server: index of the server it goes to.
-      members: ``(tensor index, start, stop)`` element ranges, concatenated
-        in this order to form the payload.
+      members: element ranges, concatenated in this order to form the
+        payload.
       length: number of elements.
       priority: higher goes out first.
     """
@@ -35,13 +52,31 @@ class Piece:
     key: int
     label: str
     server: int
-    members: tuple[tuple[int, int, int], ...]
+    members: tuple[Member, ...]
     length: int
     priority: int
 
     @property
     def fused(self) -> bool:
         return len(self.members) > 1
+
+
+class _Draft(NamedTuple):
+    """A piece before it has a key and a server."""
+
+    wire_name: str
+    label: str
+    chunk: int
+    members: tuple[Member, ...]
+    length: int
+    priority: int
+
+
+class Buffers(NamedTuple):
+    """The arrays of one piece: its payload and where its sum goes."""
+
+    source: np.ndarray
+    dest: np.ndarray
 
 
 def make_plan(
@@ -55,72 +90,97 @@ def make_plan(
     weights: list[float],
 ) -> list[Piece]:
     """Cuts, fuses and assigns the tensors of one push_pull."""
-    drafts = []  # (wire_name, label, chunk index, members, length, priority)
-    buckets: dict[str, list] = {}  # dtype -> members of the open bucket
-    order: list[tuple[str, list]] = []
+    drafts: list[_Draft] = []
+    buckets: dict[str, list[Member]] = {}  # dtype -> the open bucket
+    order: list[list[Member]] = []
 
     for t, (name, size, itemsize) in enumerate(zip(names, sizes, itemsizes)):
         if size * itemsize > partition_bytes:
             ranges = topology.chunk_ranges(size, itemsize, partition_bytes)
             for c, (lo, hi) in enumerate(ranges):
                 drafts.append(
-                    (
-                        name,
-                        f"{name}[{c}]",
-                        c,
-                        ((t, lo, hi),),
-                        hi - lo,
-                        priorities[t],
+                    _Draft(
+                        wire_name=name,
+                        label=f"{name}[{c}]",
+                        chunk=c,
+                        members=(Member(t, lo, hi),),
+                        length=hi - lo,
+                        priority=priorities[t],
                     )
                 )
             continue
         bucket = buckets.get(dtypes[t])
-        used = sum(hi - lo for _, lo, hi in bucket) * itemsize if bucket else 0
+        used = sum(m.size for m in bucket) * itemsize if bucket else 0
         if bucket is None or used + size * itemsize > partition_bytes:
             bucket = []
             buckets[dtypes[t]] = bucket
-            order.append((dtypes[t], bucket))
-        bucket.append((t, 0, size))
+            order.append(bucket)
+        bucket.append(Member(t, 0, size))
 
-    for _, members in order:
-        length = sum(hi - lo for _, lo, hi in members)
-        priority = max(priorities[t] for t, _, _ in members)
-        if len(members) == 1:
-            t = members[0][0]
-            drafts.append(
-                (
-                    names[t],
-                    f"{names[t]}[0]",
-                    0,
-                    tuple(members),
-                    length,
-                    priority,
-                )
-            )
-            continue
-        member_names = [names[t] for t, _, _ in members]
-        digest = hashlib.blake2b(
-            "\0".join(member_names).encode(), digest_size=8
-        ).hexdigest()
-        wire = f"fused:{digest}"
-        label = f"fused({member_names[0]}, ... {len(members)} tensors)"
-        drafts.append((wire, label, 0, tuple(members), length, priority))
+    for members in order:
+        drafts.append(_fuse(names, members, priorities))
 
-    item = {t: itemsizes[t] for t in range(len(names))}
-    nbytes = [d[4] * item[d[3][0][0]] for d in drafts]
+    nbytes = [d.length * itemsizes[d.members[0].tensor] for d in drafts]
     salt = topology.tensor_id(names[0]) if names else 0
     servers = topology.assign_servers(nbytes, weights, salt=salt)
     return [
         Piece(
-            wire_name=wire,
-            key=_wire.make_key(topology.tensor_id(wire), chunk),
-            label=label,
+            wire_name=d.wire_name,
+            key=_wire.make_key(topology.tensor_id(d.wire_name), d.chunk),
+            label=d.label,
             server=server,
-            members=members,
-            length=length,
-            priority=priority,
+            members=d.members,
+            length=d.length,
+            priority=d.priority,
         )
-        for (wire, label, chunk, members, length, priority), server in zip(
-            drafts, servers
-        )
+        for d, server in zip(drafts, servers)
     ]
+
+
+def _fuse(names, members: list[Member], priorities) -> _Draft:
+    """The draft of one bucket; a lone tensor keeps its own name."""
+    length = sum(m.size for m in members)
+    priority = max(priorities[m.tensor] for m in members)
+    if len(members) == 1:
+        name = names[members[0].tensor]
+        return _Draft(name, f"{name}[0]", 0, tuple(members), length, priority)
+    member_names = [names[m.tensor] for m in members]
+    digest = hashlib.blake2b(
+        "\0".join(member_names).encode(), digest_size=8
+    ).hexdigest()
+    label = f"fused({member_names[0]}, ... {len(members)} tensors)"
+    return _Draft(f"fused:{digest}", label, 0, tuple(members), length, priority)
+
+
+def buffers(
+    pieces: Sequence[Piece], flats: Sequence[np.ndarray]
+) -> tuple[list[Buffers], list[np.ndarray]]:
+    """Lays out the flat arrays of a push_pull along its plan.
+
+    A fused piece's payload gathers (copies) its members out of `flats`;
+    its dest is a new array, and the output of each member is a view of
+    it. A piece of one tensor pushes a view of the tensor's flat array and
+    its dest is a view of the tensor's output, a new array of its size.
+
+    Returns:
+      The buffers of each piece, in plan order, and the flat output of
+      each tensor (complete once every piece's sum is in its dest).
+    """
+    outs: list = [None] * len(flats)
+    laid_out = []
+    for piece in pieces:
+        if piece.fused:
+            first = piece.members[0].tensor
+            dest = np.empty(piece.length, flats[first].dtype)
+            parts, offset = [], 0
+            for m in piece.members:
+                parts.append(flats[m.tensor][m.start : m.stop])
+                outs[m.tensor] = dest[offset : offset + m.size]  # a view
+                offset += m.size
+            laid_out.append(Buffers(np.concatenate(parts), dest))
+        else:
+            ((t, lo, hi),) = piece.members
+            if outs[t] is None:
+                outs[t] = np.empty_like(flats[t])
+            laid_out.append(Buffers(flats[t][lo:hi], outs[t][lo:hi]))
+    return laid_out, outs

@@ -76,3 +76,29 @@ def test_mixed_mode_sends_the_formula_share_to_cpu_servers():
     cpu = sum(p.length for p in pieces if p.server < k)
     total = sum(p.length for p in pieces)
     assert abs(cpu / total - topology.cpu_server_share(n, k)) < 0.01
+
+
+def test_buffers_gather_fused_pieces_and_outputs_view_their_dest():
+    import numpy as np
+
+    from jaxps._src.plan import buffers
+
+    sizes, dtypes = [5, 60, 3], ["<f4", "<f4", "<f4"]
+    pieces = plan(sizes, dtypes)
+    flats = [
+        np.arange(s, dtype=np.float32) + 100 * t for t, s in enumerate(sizes)
+    ]
+    laid_out, outs = buffers(pieces, flats)
+    assert len(laid_out) == len(pieces)
+    for piece, (source, dest) in zip(pieces, laid_out):
+        expected = np.concatenate(
+            [flats[m.tensor][m.start : m.stop] for m in piece.members]
+        )
+        np.testing.assert_array_equal(source, expected)
+        assert dest.size == source.size == piece.length
+        dest[...] = -source  # as a transport writes a sum
+    for t, out in enumerate(outs):
+        np.testing.assert_array_equal(out, -flats[t])
+    fused = next(p for p in pieces if p.fused)
+    assert [m.tensor for m in fused.members] == [0, 2]
+    assert not np.shares_memory(laid_out[pieces.index(fused)].source, flats[0])
