@@ -1,52 +1,42 @@
-"""The worker runtime: chunks tensors, pushes and pulls them, reassembles.
+"""The worker runtime: connects to the servers and runs push_pull.
 
-All chunks of a worker wait in one priority queue, whatever their server;
-sender threads take them in order, within a credit bound on the bytes being
-pushed at once. Every worker thus pushes in the same order, so each server
-gets a chunk from all workers at about the same time and can answer its
-pulls early, instead of every server waiting for the worker that happened to
-serve it last. A push that the server acknowledged gives its credit back and
-is followed at once by an asynchronous pull, whose callback writes the sum
-into the output array. Credit never waits on other workers, so workers that
-queue chunks in different orders cannot deadlock each other.
-
-A server on this host (a loopback address) gets payloads through shared
-memory instead (`jaxps._src.shm`): the chunk is copied into a slot, push and
-pull only name the slot, which is the server's until the pull returns, and
-the server sums in it or writes the sum into it.
+`Runtime` says hello to every server (checking job, size and mode) and
+picks a transport for each server client (`make_transport`). A push_pull
+is planned (`plan`: chunks, fused pieces, servers), its arrays laid out
+along the plan, and each piece queued as a chunk with the sender
+(`sender`), which pushes the chunks of all servers in priority order
+within a credit. The chunk's transport (`transport`) brings its sum back
+into the output, and the push_pull's `Handle` hears when all are back.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import queue
 import threading
-import time
 from collections.abc import Sequence
 
-import grpc
 import numpy as np
 
-from jaxps._src import errors, shm, topology
+from jaxps._src import errors, plan, shm, topology
 from jaxps._src import timeline as _timeline
 from jaxps._src.client import ServerClient, channel_credentials
 from jaxps._src.config import Config
-from jaxps._src.plan import make_plan
+from jaxps._src.sender import Sender
+from jaxps._src.transport import Chunk, Transport, fingerprint, pull_deadline
+from jaxps._src.transport_grpc import GrpcTransport
+from jaxps._src.transport_shm import ShmTransport
 from jaxps.servers import _wire
 from jaxps.servers import jaxps_pb2 as pb
 
-_FINGERPRINT_BYTES = 4096
-_STOP = object()
-
-
-def fingerprint(array: np.ndarray) -> int:
-    """crc32 of an array's first and last 4 KiB and its length in bytes."""
-    view = memoryview(array.reshape(-1).view(np.uint8))
-    if len(view) > 2 * _FINGERPRINT_BYTES:
-        head = _wire.checksum(view[:_FINGERPRINT_BYTES])
-        return _wire.checksum(view[-_FINGERPRINT_BYTES:]) ^ head ^ len(view)
-    return _wire.checksum(view)
+__all__ = [
+    "ASYNC_NAMES",
+    "Handle",
+    "Runtime",
+    "fingerprint",
+    "make_transport",
+    "pull_deadline",
+]
 
 
 class Handle:
@@ -85,6 +75,7 @@ class Handle:
         self._event.set()
 
     def chunk_done(self) -> None:
+        """One chunk's sum is in its output (once per chunk)."""
         with self._lock:
             self._pending -= 1
             last = self._pending == 0
@@ -92,6 +83,7 @@ class Handle:
             self._finish()
 
     def fail(self, err: BaseException) -> None:
+        """One chunk failed with `err`; `wait` raises the first error."""
         with self._lock:
             if self._error is None:
                 self._error = err
@@ -99,6 +91,7 @@ class Handle:
 
     @property
     def failed(self) -> bool:
+        """Whether a chunk failed (the rest need not be sent)."""
         return self._error is not None
 
     def done(self) -> bool:
@@ -117,261 +110,8 @@ class Handle:
         return [o.reshape(s) for o, s in zip(self._outs, self._shapes)]
 
 
-class _Chunk:
-    __slots__ = (
-        "queued",
-        "handle",
-        "source",
-        "dest",
-        "header",
-        "divisor",
-        "nbytes",
-        "lane",
-    )
-
-    def __init__(self, handle, source, dest, header, divisor, lane):
-        self.queued = _timeline.now()
-        self.handle = handle
-        self.source = source
-        self.dest = dest
-        self.header = header
-        self.divisor = divisor
-        self.nbytes = source.nbytes
-        self.lane = lane
-
-
-class _Sender:
-    """The queue, credit and sender threads of a worker, for all servers."""
-
-    def __init__(self, credit: int, threads: int):
-        self.credit = credit
-        self.in_flight = 0
-        self._blocked = 0  # sender threads waiting for a round
-        self._cv = threading.Condition()
-        self._take = threading.Lock()
-        self.queue: queue.PriorityQueue = queue.PriorityQueue()
-        self.threads = [
-            threading.Thread(
-                target=self._send_loop, daemon=True, name=f"jaxps-send-{i}"
-            )
-            for i in range(threads)
-        ]
-        for t in self.threads:
-            t.start()
-
-    def acquire(self, nbytes: int, timeout: float, label: str) -> None:
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while self.in_flight > 0 and self.in_flight + nbytes > self.credit:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise errors.RoundTimeoutError(
-                        f"{label}: no credit to push within {timeout:g} s "
-                        f"({self.in_flight} bytes pushed to the servers and "
-                        "not acknowledged)."
-                    )
-                self._cv.wait(remaining)
-            self.in_flight += nbytes
-
-    def release(self, nbytes: int) -> None:
-        with self._cv:
-            self.in_flight -= nbytes
-            self._cv.notify_all()
-
-    def may_block(self) -> bool:
-        """Whether the calling sender thread may wait for a round (and
-        counts it as waiting until `unblock`): only while another sender
-        thread stays free to send the chunks other workers wait for."""
-        with self._cv:
-            if self._blocked + 1 < len(self.threads):
-                self._blocked += 1
-                return True
-            return False
-
-    def unblock(self) -> None:
-        with self._cv:
-            self._blocked -= 1
-
-    def _send_loop(self) -> None:
-        while True:
-            with self._take:  # credit is taken in priority order
-                chunk = self.queue.get()[-1]
-                if chunk is _STOP:
-                    return
-                if chunk.handle.failed:
-                    continue
-                h = chunk.header
-                try:
-                    self.acquire(
-                        chunk.nbytes,
-                        chunk.lane.client.timeout,
-                        f"push_pull of {h.name} round {h.round} to server "
-                        f"{chunk.lane.client.address}",
-                    )
-                except errors.JaxpsError as err:
-                    chunk.handle.fail(err)
-                    continue
-            chunk.lane.send(chunk, self)
-
-    def stop(self) -> None:
-        for _ in self.threads:
-            self.queue.put((float("inf"), 0, 0, _STOP))
-        for t in self.threads:
-            t.join(timeout=5)
-
-
-class _Lane:
-    """Pushes and pulls the chunks of one server (one channel)."""
-
-    def __init__(
-        self,
-        client: ServerClient,
-        timeline=None,
-        pool: shm.SlotPool | None = None,
-    ):
-        self.client = client
-        self.pool = pool
-        self.timeline = timeline
-        self.row = f"server {client.address}"
-
-    def _span(self, stage: str, start: float, chunk: _Chunk) -> float:
-        end = _timeline.now()
-        if self.timeline is not None:
-            h = chunk.header
-            self.timeline.span(
-                stage,
-                self.row,
-                start,
-                end,
-                chunk=h.name,
-                round=h.round,
-                bytes=chunk.nbytes,
-            )
-        return end
-
-    def send(self, chunk: _Chunk, sender: _Sender) -> None:
-        """Pushes `chunk` (its credit is taken) and pulls its sum.
-
-        A chunk in a shared-memory slot needs no credit (no bytes cross a
-        network) and goes in one PushPull call; the sender thread waits for
-        it if `sender` allows, the cheapest way, else it is a future.
-        """
-        pushed = self._span("queue", chunk.queued, chunk)
-        slot = None if self.pool is None else self.pool.take(chunk.nbytes)
-        if slot is None:
-            self._push_then_pull(chunk, sender.release, pushed)
-            return
-        h, source = chunk.header, chunk.source
-        np.copyto(slot.array(source.dtype, source.size), source)
-        sender.release(chunk.nbytes)
-        pulling = self._span("push", pushed, chunk)
-        deadline = time.monotonic() + pull_deadline(self.client.timeout)
-        checksum = fingerprint(source)
-        if sender.may_block():
-            try:
-                self.client.push_pull(h, checksum, deadline, slot.ref)
-            except errors.JaxpsError as err:
-                # the slot is not given back: a late write may land in it
-                chunk.handle.fail(err)
-            else:
-                self._pulled(chunk, None, pulling, slot)
-            finally:
-                sender.unblock()
-            return
-        try:
-            future = self.client.push_pull_future(
-                h, checksum, deadline, slot.ref
-            )
-        except errors.JaxpsError as err:
-            chunk.handle.fail(err)
-            return
-        future.add_done_callback(
-            lambda f: self._pulled(chunk, f, pulling, slot)
-        )
-
-    def _push_then_pull(self, chunk: _Chunk, release, pushed: float) -> None:
-        """Pushes a chunk in a message, gives its credit back once the
-        server has it, and starts its pull."""
-        timeout = self.client.timeout
-        h, source = chunk.header, chunk.source
-        try:
-            self.client.push(
-                h, source, fingerprint(source), time.monotonic() + timeout
-            )
-            future = self.client.pull_future(
-                h, time.monotonic() + pull_deadline(timeout)
-            )
-        except errors.JaxpsError as err:
-            chunk.handle.fail(err)
-            return
-        finally:
-            release(chunk.nbytes)
-        pulling = self._span("push", pushed, chunk)
-        future.add_done_callback(
-            lambda f: self._pulled(chunk, f, pulling, None)
-        )
-
-    def _pulled(self, chunk: _Chunk, future, pulling: float, slot) -> None:
-        """Writes a chunk's sum into its output: from the reply in `future`,
-        or from `slot` (`future` None: the sum is there already)."""
-        h, dest = chunk.header, chunk.dest
-        ref = None if slot is None else slot.ref
-        try:
-            if future is not None:
-                try:
-                    payload = self.client.decode_pull(future.result(), h, ref)
-                except grpc.RpcError as err:
-                    payload = self._retry_pull(chunk, err, ref)
-            if slot is not None:
-                data = slot.array(dest.dtype, dest.size)
-            else:
-                data = np.frombuffer(payload, dtype=dest.dtype)
-            if data.size != dest.size:
-                raise errors.RequestRejectedError(
-                    f"server {self.client.address} answered {h.name} round "
-                    f"{h.round} with {data.size} elements, expected "
-                    f"{dest.size}."
-                )
-            if chunk.divisor is None:
-                dest[...] = data
-            else:
-                np.divide(data, chunk.divisor, out=dest)
-        except BaseException as err:  # noqa: BLE001 - reported to the waiter
-            # the slot is not given back: a late pull may still write to it
-            chunk.handle.fail(err)
-        else:
-            if slot is not None:
-                self.pool.give(slot)
-            self._span("pull", pulling, chunk)
-            chunk.handle.chunk_done()
-
-    def _retry_pull(self, chunk: _Chunk, err: grpc.RpcError, ref):
-        what = "pull" if ref is None else "push_pull"
-        if err.code() != grpc.StatusCode.UNAVAILABLE:
-            raise self.client.translate(err, what, chunk.header) from None
-        deadline = time.monotonic() + pull_deadline(self.client.timeout)
-        if ref is None:
-            return self.client.pull(chunk.header, deadline)
-        # the server counts a repeated push once
-        checksum = fingerprint(chunk.source)
-        return self.client.push_pull(chunk.header, checksum, deadline, ref)
-
-    def stop(self) -> None:
-        if self.pool is not None:
-            if self.pool.segment_ids:
-                self.client.detach(self.pool.segment_ids)
-            self.pool.close()
-        self.client.close()
-
-
 #: push_pull names that expect async servers (AsyncDistributedOptimizer's).
 ASYNC_NAMES: set[str] = set()
-
-
-def pull_deadline(timeout: float) -> float:
-    """Client deadline of a pull: past the server's round timeout, so the
-    server's message naming the missing ranks arrives first."""
-    return 1.25 * timeout + 2.0
 
 
 class Runtime:
@@ -398,8 +138,8 @@ class Runtime:
         self._in_flight: set[str] = set()
         self._seq = itertools.count()
         self._plans: dict = {}
-        self._lanes: list[_Lane] = []
-        self._sender: _Sender | None = None
+        self._transports: list[Transport] = []
+        self._sender: Sender | None = None
         addresses = config.servers + config.colocated_servers
         if config.colocated_servers:
             self.weights = topology.mixed_mode_weights(
@@ -457,12 +197,10 @@ class Runtime:
                 ),
                 config.worker_rank,
             )
-        self._lanes = [
-            _Lane(c, self.timeline, _slot_pool(c, config)) for c in clients
+        self._transports = [
+            make_transport(c, config, self.timeline) for c in clients
         ]
-        self._sender = _Sender(
-            credit, min(8, senders_per_server * len(clients))
-        )
+        self._sender = Sender(credit, min(8, senders_per_server * len(clients)))
 
     def check_mode(self, names: Sequence[str]) -> None:
         """Refuses sums from async servers, and parameters from sync ones.
@@ -525,7 +263,7 @@ class Runtime:
             flats.append(np.ascontiguousarray(array).reshape(-1))
         shapes = [np.shape(a) for a in arrays]
         timeout = 2 * pull_deadline(self.config.timeout)
-        if not self._lanes:  # a single worker without servers
+        if not self._transports:  # a single worker without servers
             outs = [f.copy() for f in flats]
             return Handle(
                 list(names),
@@ -538,24 +276,9 @@ class Runtime:
             )
         if priorities is None:
             priorities = [-i for i in range(len(names))]
-        plan = self._plan(names, flats, tuple(priorities))
-        outs: list = [None] * len(flats)
-        pieces = []  # (piece, source, dest)
-        for piece in plan:
-            if piece.fused:
-                dest = np.empty(piece.length, flats[piece.members[0][0]].dtype)
-                parts, offset = [], 0
-                for t, lo, hi in piece.members:
-                    parts.append(flats[t][lo:hi])
-                    outs[t] = dest[offset : offset + hi - lo]  # a view
-                    offset += hi - lo
-                pieces.append((piece, np.concatenate(parts), dest))
-            else:
-                ((t, lo, hi),) = piece.members
-                if outs[t] is None:
-                    outs[t] = np.empty_like(flats[t])
-                pieces.append((piece, flats[t][lo:hi], outs[t][lo:hi]))
-        rounds = self._begin(names, [p.wire_name for p in plan])
+        pieces = self._plan(names, flats, tuple(priorities))
+        laid_out, outs = plan.buffers(pieces, flats)
+        rounds = self._begin(names, [p.wire_name for p in pieces])
         divisor = self.size if average else None
         handle = Handle(
             list(names),
@@ -567,7 +290,7 @@ class Runtime:
             self.timeline,
         )
         seq = next(self._seq)
-        for i, (piece, source, dest) in enumerate(pieces):
+        for i, (piece, (source, dest)) in enumerate(zip(pieces, laid_out)):
             header = pb.Header(
                 version=_wire.PROTOCOL_VERSION,
                 job_id=self.config.job_id,
@@ -578,11 +301,11 @@ class Runtime:
                 length=piece.length,
                 name=piece.label,
             )
-            lane = self._lanes[
+            transport = self._transports[
                 piece.server * self._channels + i % self._channels
             ]
-            chunk = _Chunk(handle, source, dest, header, divisor, lane)
-            self._sender.queue.put((-piece.priority, seq, i, chunk))
+            chunk = Chunk(handle, source, dest, header, divisor, transport)
+            self._sender.put((-piece.priority, seq, i), chunk)
         return handle
 
     def push_pull(self, name: str, array, *, average: bool = True):
@@ -594,9 +317,9 @@ class Runtime:
             tuple((n, f.size, f.dtype.str) for n, f in zip(names, flats)),
             priorities,
         )
-        plan = self._plans.get(sig)
-        if plan is None:
-            plan = make_plan(
+        pieces = self._plans.get(sig)
+        if pieces is None:
+            pieces = plan.make_plan(
                 list(names),
                 [f.size for f in flats],
                 [f.dtype.str for f in flats],
@@ -605,8 +328,8 @@ class Runtime:
                 partition_bytes=self.config.partition_bytes,
                 weights=self.weights,
             )
-            self._plans[sig] = plan
-        return plan
+            self._plans[sig] = pieces
+        return pieces
 
     def _begin(self, names, wire_names) -> dict[str, int]:
         """Marks `names` in flight; returns the round of each wire name."""
@@ -634,20 +357,36 @@ class Runtime:
         if self._sender is not None:
             self._sender.stop()
             self._sender = None
-        for lane in self._lanes:
-            lane.stop()
-        self._lanes = []
+        for transport in self._transports:
+            transport.close()
+        self._transports = []
         if self.timeline is not None:
             self.timeline.close()
             self.timeline = None
 
 
-def _slot_pool(client: ServerClient, config: Config):
-    """Shared-memory slots for a server on this host, if allowed."""
-    if config.shm_bytes == 0 or not shm.is_local(client.address):
-        return None
-    pool = shm.SlotPool(client.attach, config.partition_bytes, config.shm_bytes)
-    return pool if pool.enabled else None
+def make_transport(
+    client: ServerClient, config: Config, timeline=None
+) -> Transport:
+    """The transport for one server client (after its hello).
+
+    Shared memory (`ShmTransport`) for a server on a loopback address,
+    unless ``config.shm_bytes`` is 0 or ``config.transport`` asks for
+    another; its chunks still go in gRPC messages past ``shm_bytes`` or
+    where the server cannot map the segments (found at the first Attach).
+    Else payloads in the gRPC messages (`GrpcTransport`).
+    """
+    if (
+        config.transport in ("auto", "shm")
+        and config.shm_bytes > 0
+        and shm.is_local(client.address)
+    ):
+        pool = shm.SlotPool(
+            client.attach, config.partition_bytes, config.shm_bytes
+        )
+        if pool.enabled:
+            return ShmTransport(client, pool, timeline)
+    return GrpcTransport(client, timeline)
 
 
 def _check_array(name: str, array: np.ndarray, average: bool) -> None:

@@ -13,6 +13,8 @@ import pytest
 from jaxps import errors
 from jaxps._src.config import Config
 from jaxps._src.runtime import Runtime
+from jaxps._src.transport_grpc import GrpcTransport
+from jaxps._src.transport_shm import ShmTransport
 from jaxps.servers import _wire
 
 SMALL = 4096  # partition bytes that make several chunks out of small arrays
@@ -290,3 +292,23 @@ def test_sums_and_async_servers_do_not_mix(start_servers, monkeypatch):
             rt.push_pull("params/w", np.ones(3, np.float32))
     finally:
         rt.close()
+
+
+@pytest.mark.timeout(60)
+def test_each_server_client_gets_a_transport(start_servers):
+    # a server on 127.0.0.1 gets shared memory unless it is turned off
+    (server,) = start_servers(1, 1)
+    cases = [
+        ({}, ShmTransport),
+        ({"shm_bytes": 0}, GrpcTransport),
+        ({"transport": "grpc"}, GrpcTransport),
+    ]
+    for i, (settings, kind) in enumerate(cases):
+        cfg = Config(servers=(server.address,), **settings)
+        rt = Runtime(cfg, channels_per_server=2)
+        try:
+            assert [type(t) for t in rt._transports] == [kind, kind]
+            got = rt.push_pull(f"x{i}", np.full(3, 2.0, np.float32))
+            np.testing.assert_array_equal(got, 2.0)
+        finally:
+            rt.close()

@@ -33,7 +33,7 @@ def test_shared_memory_carries_the_payloads(start_servers):
     x = np.arange(10 * PARTITION // 4, dtype=np.float32)
 
     def fn(rt):
-        pools = [lane.pool for lane in rt._lanes]
+        pools = [getattr(t, "pool", None) for t in rt._transports]
         sums = [rt.push_pull(f"t{i}", x * (rt.rank + 1)) for i in range(3)]
         return sums, [len(p.segment_ids) for p in pools if p is not None]
 
@@ -54,9 +54,10 @@ def test_small_pool_falls_back_to_grpc_without_waiting(start_servers):
     x = np.ones(20 * PARTITION // 4, dtype=np.float32)
 
     def fn(rt):
-        rt._lanes[0].pool.slots_per_segment = 2
-        rt._lanes[0].pool.segment_bytes = 2 * PARTITION
-        rt._lanes[0].pool.max_segments = 1
+        pool = rt._transports[0].pool
+        pool.slots_per_segment = 2
+        pool.segment_bytes = 2 * PARTITION
+        pool.max_segments = 1
         return [rt.push_pull(f"t{i}", x, average=False) for i in range(3)]
 
     for sums in run_workers(2, servers, fn, partition_bytes=PARTITION):
@@ -76,7 +77,8 @@ def test_server_on_another_host_falls_back_to_grpc(
 
     def fn(rt):
         got = rt.push_pull("t", x, average=False)
-        return got, rt._lanes[0].pool is None or not rt._lanes[0].pool.enabled
+        pool = getattr(rt._transports[0], "pool", None)
+        return got, pool is None or not pool.enabled
 
     for got, fell_back in run_workers(
         2, servers, fn, partition_bytes=PARTITION
@@ -179,8 +181,8 @@ def test_retried_push_from_a_slot_is_counted_once(start_servers):
     (server,) = start_servers(1, 2)
     with two_workers(server) as rt:
         x = np.full(100, 3.0, np.float32)
-        lane = rt[0]._lanes[0]
-        slot = lane.pool.take(x.nbytes)
+        transport = rt[0]._transports[0]
+        slot = transport.pool.take(x.nbytes)
         np.copyto(slot.array(x.dtype, x.size), x)
         header = pb.Header(
             version=_wire.PROTOCOL_VERSION,
@@ -193,16 +195,16 @@ def test_retried_push_from_a_slot_is_counted_once(start_servers):
         )
         for _ in range(3):  # the same push, replayed
             soon = time.monotonic() + 10
-            lane.client.push(header, None, 7, soon, slot=slot.ref)
+            transport.client.push(header, None, 7, soon, slot=slot.ref)
         other = pb.Header()
         other.CopyFrom(header)
         other.rank = 1
-        rt[1]._lanes[0].client.push(other, x, 8, time.monotonic() + 10)
-        got = lane.client.pull(header, time.monotonic() + 10, slot.ref)
+        rt[1]._transports[0].client.push(other, x, 8, time.monotonic() + 10)
+        got = transport.client.pull(header, time.monotonic() + 10, slot.ref)
         assert got is None  # the sum is in the slot
         np.testing.assert_array_equal(slot.array(x.dtype, x.size), 2 * x)
         # a pull without a slot gets the same sum in the reply
-        payload = rt[1]._lanes[0].client.pull(other, time.monotonic() + 10)
+        payload = rt[1]._transports[0].client.pull(other, time.monotonic() + 10)
         np.testing.assert_array_equal(np.frombuffer(payload, x.dtype), 2 * x)
 
 
@@ -213,8 +215,8 @@ def test_replayed_push_pull_is_counted_once(start_servers):
     (server,) = start_servers(1, 2)
     with two_workers(server) as rt:
         xs = [np.full(100, 3.0 * (r + 1), np.float32) for r in range(2)]
-        lanes = [r._lanes[0] for r in rt]
-        slots = [lane.pool.take(x.nbytes) for lane, x in zip(lanes, xs)]
+        transports = [r._transports[0] for r in rt]
+        slots = [t.pool.take(x.nbytes) for t, x in zip(transports, xs)]
         headers = []
         for rank, (slot, x) in enumerate(zip(slots, xs)):
             np.copyto(slot.array(x.dtype, x.size), x)
@@ -231,22 +233,24 @@ def test_replayed_push_pull_is_counted_once(start_servers):
             )
         soon = time.monotonic() + 10
         # rank 0 waits for rank 1 (a future), which pushes twice
-        waiting = lanes[0].client.push_pull_future(
+        waiting = transports[0].client.push_pull_future(
             headers[0], 7, soon, slots[0].ref
         )
         for _ in range(2):
-            lanes[1].client.push_pull(headers[1], 8, soon, slots[1].ref)
-        lanes[0].client.decode_pull(waiting.result(), headers[0], slots[0].ref)
+            transports[1].client.push_pull(headers[1], 8, soon, slots[1].ref)
+        transports[0].client.decode_pull(
+            waiting.result(), headers[0], slots[0].ref
+        )
         for slot in slots:
             np.testing.assert_array_equal(slot.array(np.float32, 100), 9.0)
         # the round is freed now; rank 0 replays (its reply "was lost")
-        lanes[0].client.push_pull(headers[0], 7, soon, slots[0].ref)
+        transports[0].client.push_pull(headers[0], 7, soon, slots[0].ref)
         np.testing.assert_array_equal(slots[0].array(np.float32, 100), 9.0)
         # a PushPull without a slot is refused, naming what is missing
         bad = pb.Header()
         bad.CopyFrom(headers[0])
         bad.round = 1
-        client = lanes[0].client
+        client = transports[0].client
         request = _codec.encode_push(bad, np.ones(100, np.float32), 7)
         with pytest.raises(errors.RequestRejectedError, match="no shared-m"):
             client._call(client._push_pull, request, soon, bad, "push_pull")

@@ -1,0 +1,116 @@
+"""The sender: one priority queue, a credit and the sender threads.
+
+All chunks of a worker wait in one priority queue, whatever their server;
+sender threads take them in order, within a credit bound on the bytes being
+pushed at once, and hand each to its transport. Every worker thus pushes in
+the same order, so each server gets a chunk from all workers at about the
+same time and can answer its pulls early, instead of every server waiting
+for the worker that happened to serve it last. Credit never waits on other
+workers, so workers that queue chunks in different orders cannot deadlock
+each other.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from jaxps._src import errors
+from jaxps._src.transport import Chunk
+
+_STOP = object()
+
+
+class Sender:
+    """The queue, credit and sender threads of a worker, for all servers.
+
+    Args:
+      credit: most bytes being pushed at once (a larger chunk still goes
+        out alone).
+      threads: number of sender threads.
+    """
+
+    def __init__(self, credit: int, threads: int):
+        self.credit = credit
+        self.in_flight = 0
+        self._blocked = 0  # sender threads waiting for a round
+        self._cv = threading.Condition()
+        self._take = threading.Lock()
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self.threads = [
+            threading.Thread(
+                target=self._send_loop, daemon=True, name=f"jaxps-send-{i}"
+            )
+            for i in range(threads)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def put(self, order: tuple, chunk: Chunk) -> None:
+        """Queues `chunk`; the smallest `order` goes out first."""
+        self._queue.put((*order, chunk))
+
+    def acquire(self, nbytes: int, timeout: float, label: str) -> None:
+        """Takes credit for `nbytes`, waiting at most `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self.in_flight > 0 and self.in_flight + nbytes > self.credit:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise errors.RoundTimeoutError(
+                        f"{label}: no credit to push within {timeout:g} s "
+                        f"({self.in_flight} bytes pushed to the servers and "
+                        "not acknowledged)."
+                    )
+                self._cv.wait(remaining)
+            self.in_flight += nbytes
+
+    def release(self, nbytes: int) -> None:
+        """Gives back the credit of `nbytes`."""
+        with self._cv:
+            self.in_flight -= nbytes
+            self._cv.notify_all()
+
+    def may_block(self) -> bool:
+        """Whether the calling sender thread may wait for a round (and
+        counts it as waiting until `unblock`): only while another sender
+        thread stays free to send the chunks other workers wait for."""
+        with self._cv:
+            if self._blocked + 1 < len(self.threads):
+                self._blocked += 1
+                return True
+            return False
+
+    def unblock(self) -> None:
+        """Ends a wait that `may_block` allowed."""
+        with self._cv:
+            self._blocked -= 1
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._take:  # credit is taken in priority order
+                chunk = self._queue.get()[-1]
+                if chunk is _STOP:
+                    return
+                if chunk.handle.failed:
+                    continue
+                h, transport = chunk.header, chunk.transport
+                try:
+                    self.acquire(
+                        chunk.nbytes,
+                        transport.timeout,
+                        f"push_pull of {h.name} round {h.round} to server "
+                        f"{transport.address}",
+                    )
+                except errors.JaxpsError as err:
+                    chunk.handle.fail(err)
+                    continue
+            transport.send(chunk, self)
+
+    def stop(self) -> None:
+        """Stops the sender threads (after the chunks queued before)."""
+        for _ in self.threads:
+            self._queue.put((float("inf"), 0, 0, _STOP))
+        for t in self.threads:
+            t.join(timeout=5)

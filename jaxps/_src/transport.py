@@ -1,0 +1,204 @@
+"""The interface of a transport: how chunks get to a server and back.
+
+A transport carries the chunks of one server client (one channel): the
+payload goes to the server, and the sum of all workers comes back into the
+chunk's dest. `Transport` says what every transport must guarantee and
+holds what they share: `_complete` ends a chunk the same way for all of
+them. The transports are `transport_grpc.GrpcTransport` (payloads in the
+gRPC messages) and `transport_shm.ShmTransport` (payloads in shared-memory
+slots); `runtime.make_transport` picks one per server client.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from jaxps._src import errors
+from jaxps._src import timeline as _timeline
+from jaxps.servers import _wire
+
+if TYPE_CHECKING:
+    from jaxps._src.client import ServerClient
+    from jaxps._src.runtime import Handle
+    from jaxps.servers import jaxps_pb2 as pb
+
+_FINGERPRINT_BYTES = 4096
+
+
+def fingerprint(array: np.ndarray) -> int:
+    """crc32 of an array's first and last 4 KiB and its length in bytes."""
+    view = memoryview(array.reshape(-1).view(np.uint8))
+    if len(view) > 2 * _FINGERPRINT_BYTES:
+        head = _wire.checksum(view[:_FINGERPRINT_BYTES])
+        return _wire.checksum(view[-_FINGERPRINT_BYTES:]) ^ head ^ len(view)
+    return _wire.checksum(view)
+
+
+def pull_deadline(timeout: float) -> float:
+    """Client deadline of a pull: past the server's round timeout, so the
+    server's message naming the missing ranks arrives first."""
+    return 1.25 * timeout + 2.0
+
+
+class Chunk:
+    """One piece of a push_pull on its way to a server and back.
+
+    Attributes:
+      queued: when it was queued (a `timeline.now()` time).
+      handle: the push_pull's `runtime.Handle`, told once how it ended.
+      source: the payload, a flat array (read-only to the transport).
+      dest: where the sum goes, a flat array of the same dtype and size.
+      header: the wire header (key, round, dtype, length, name, ...).
+      divisor: the sum is divided by it (averaging), or None.
+      nbytes: the payload's size, the credit it holds while pushed.
+      transport: the transport of the server client it goes to.
+    """
+
+    __slots__ = (
+        "queued",
+        "handle",
+        "source",
+        "dest",
+        "header",
+        "divisor",
+        "nbytes",
+        "transport",
+    )
+
+    def __init__(
+        self,
+        handle: Handle,
+        source: np.ndarray,
+        dest: np.ndarray,
+        header: pb.Header,
+        divisor: int | None,
+        transport: Transport,
+    ):
+        self.queued = _timeline.now()
+        self.handle = handle
+        self.source = source
+        self.dest = dest
+        self.header = header
+        self.divisor = divisor
+        self.nbytes = source.nbytes
+        self.transport = transport
+
+
+class Credit(Protocol):
+    """What the sender lends a transport along with a chunk."""
+
+    def release(self, nbytes: int) -> None:
+        """Gives back the credit of a chunk's `nbytes`."""
+
+    def may_block(self) -> bool:
+        """Whether the calling sender thread may wait for a round; if
+        True, `unblock` must follow once it stops waiting."""
+
+    def unblock(self) -> None:
+        """Ends a wait that `may_block` allowed."""
+
+
+class Transport(abc.ABC):
+    """Carries the chunks of one server client and brings their sums back.
+
+    `send` runs on a sender thread, with the chunk's credit taken. For every
+    chunk a transport must:
+
+    - give the credit back (``credit.release(chunk.nbytes)``) exactly once,
+      as soon as the server has the bytes or the push failed, and never
+      hold it while waiting for other workers;
+    - write the sum into ``chunk.dest``, divided by ``chunk.divisor`` if it
+      is not None, and end the chunk with exactly one of
+      ``chunk.handle.chunk_done()`` or ``chunk.handle.fail(err)``, where
+      `err` is a `JaxpsError` naming the server and the chunk: both through
+      `_complete`, which also checks the size and records the ``pull`` span;
+    - put a deadline on every wait: ``timeout`` for a push, `pull_deadline`
+      of it for a wait on a round;
+    - block the sender thread on a round only if ``credit.may_block()``
+      allowed it (and call ``credit.unblock()`` after), so another sender
+      thread stays free to send the chunks other workers wait for;
+    - never reuse memory that a failed chunk lent to the server: a late
+      server write could still land in it.
+
+    Args:
+      client: the gRPC client of the server (hello already done).
+      timeline: where the ``queue``/``push``/``pull`` spans go, or None.
+    """
+
+    def __init__(self, client: ServerClient, timeline=None):
+        self.client = client
+        self.timeline = timeline
+        self.row = f"server {client.address}"
+
+    @property
+    def address(self) -> str:
+        """The server's ``host:port``, for messages."""
+        return self.client.address
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a push (or the wait for its credit) may take."""
+        return self.client.timeout
+
+    @abc.abstractmethod
+    def send(self, chunk: Chunk, credit: Credit) -> None:
+        """Pushes `chunk` (its credit is taken) and has its sum pulled;
+        may return before the sum is back."""
+
+    def close(self) -> None:
+        """Frees what the transport holds; called once no chunk is sent."""
+        self.client.close()
+
+    def _span(self, stage: str, start: float, chunk: Chunk) -> float:
+        """Records `stage` of `chunk` from `start` to now; returns now."""
+        end = _timeline.now()
+        if self.timeline is not None:
+            h = chunk.header
+            self.timeline.span(
+                stage,
+                self.row,
+                start,
+                end,
+                chunk=h.name,
+                round=h.round,
+                bytes=chunk.nbytes,
+            )
+        return end
+
+    def _complete(
+        self,
+        chunk: Chunk,
+        pulling: float,
+        receive: Callable[[], np.ndarray],
+        keep: Callable[[], None] | None = None,
+    ) -> None:
+        """Ends `chunk`, once: ``receive()`` waits for the sum (an array of
+        dest's dtype), which goes into dest divided by the divisor, then
+        `keep` runs (e.g. gives a slot back), the ``pull`` span from
+        `pulling` is recorded and the handle hears `chunk_done`. Any error
+        of `receive` or of the write fails the handle instead, and `keep`
+        does not run: memory lent to the server is not reused."""
+        h, dest = chunk.header, chunk.dest
+        try:
+            data = receive()
+            if data.size != dest.size:
+                raise errors.RequestRejectedError(
+                    f"server {self.address} answered {h.name} round "
+                    f"{h.round} with {data.size} elements, expected "
+                    f"{dest.size}."
+                )
+            if chunk.divisor is None:
+                dest[...] = data
+            else:
+                np.divide(data, chunk.divisor, out=dest)
+        except BaseException as err:  # noqa: BLE001 - reported to the waiter
+            chunk.handle.fail(err)
+            return
+        if keep is not None:
+            keep()
+        self._span("pull", pulling, chunk)
+        chunk.handle.chunk_done()

@@ -1,0 +1,68 @@
+"""Payloads in the gRPC messages: a Push, then an asynchronous Pull."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+
+from jaxps._src import errors
+from jaxps._src.transport import (
+    Chunk,
+    Credit,
+    Transport,
+    fingerprint,
+    pull_deadline,
+)
+
+
+class GrpcTransport(Transport):
+    """Pushes a chunk's payload in a Push message, which the server
+    acknowledges once it has it; the credit goes back then, and a Pull
+    whose reply carries the sum is started at once, as a future."""
+
+    def send(self, chunk: Chunk, credit: Credit) -> None:
+        self.push_then_pull(
+            chunk, credit, self._span("queue", chunk.queued, chunk)
+        )
+
+    def push_then_pull(
+        self, chunk: Chunk, credit: Credit, pushed: float
+    ) -> None:
+        """Pushes `chunk`, gives its credit back and starts its pull
+        (`pushed`: when the push began); also the fallback of the other
+        transports."""
+        timeout = self.timeout
+        h, source = chunk.header, chunk.source
+        try:
+            self.client.push(
+                h, source, fingerprint(source), time.monotonic() + timeout
+            )
+            future = self.client.pull_future(
+                h, time.monotonic() + pull_deadline(timeout)
+            )
+        except errors.JaxpsError as err:
+            chunk.handle.fail(err)
+            return
+        finally:
+            credit.release(chunk.nbytes)
+        pulling = self._span("push", pushed, chunk)
+        future.add_done_callback(
+            lambda f: self._complete(
+                chunk, pulling, lambda: self._receive(chunk, f)
+            )
+        )
+
+    def _receive(self, chunk: Chunk, future) -> np.ndarray:
+        """The sum in the reply of a pull; a pull that found the server
+        unavailable is retried (blocking) until its deadline."""
+        h = chunk.header
+        try:
+            payload = self.client.decode_pull(future.result(), h)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNAVAILABLE:
+                raise self.client.translate(err, "pull", h) from None
+            deadline = time.monotonic() + pull_deadline(self.timeout)
+            payload = self.client.pull(h, deadline)
+        return np.frombuffer(payload, dtype=chunk.dest.dtype)
