@@ -312,6 +312,40 @@ def test_single_worker_without_servers(capsys):
 
 
 @pytest.mark.timeout(30)
+def test_carriage_return_updates_are_prefixed_one_by_one(capsys):
+    # A progress bar (tqdm) redraws its line with "\r": every update must
+    # come out as a prefixed line of its own, not one mangled line.
+    code = """
+        import sys, time
+        for i in range(3):
+            sys.stderr.write(f"\\r{50 * i:3d}%|bar")
+            sys.stderr.flush()
+            time.sleep(0.05)
+        sys.stderr.write("\\n")
+        print("done\\r\\nnext", flush=True)
+    """
+    rc = launch.main(["--workers", "1", "--servers", "0", "--", *_script(code)])
+    assert rc == 0
+    out, err = capsys.readouterr()
+    assert "\r" not in out + err
+    assert [ln for ln in err.splitlines() if "bar" in ln] == [
+        "[worker 0]   0%|bar",
+        "[worker 0]  50%|bar",
+        "[worker 0] 100%|bar",
+    ]
+    assert out.splitlines() == ["[worker 0] done", "[worker 0] next"]
+
+
+def test_usage_line_names_every_option():
+    parser = launch._parser()
+    usage = parser.format_usage()
+    for action in parser._actions:
+        if action.dest == "help" or not action.option_strings:
+            continue
+        assert action.option_strings[-1] in usage, action.option_strings
+
+
+@pytest.mark.timeout(30)
 def test_worker_killed_by_signal(capsys):
     code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
     rc = launch.main(["--workers", "1", "--servers", "0", "--", *_script(code)])

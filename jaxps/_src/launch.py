@@ -24,31 +24,26 @@ import os
 import queue
 import secrets
 import signal
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
-from jaxps._src import hostfile
+from jaxps._src import hostfile, process
 from jaxps.servers._wire import READY_PREFIX
 
 #: Seconds a server may take to print its ready line.
 SERVER_START_TIMEOUT = 30.0
 #: Seconds between SIGTERM and SIGKILL when stopping children.
-STOP_GRACE = 5.0
-#: Seconds to wait for the output of exited children to be copied.
-DRAIN_TIMEOUT = 2.0
+STOP_GRACE = process.STOP_GRACE
 #: How often the waits below look at the signal flag.
 _TICK = 0.1
 
-#: Called with each line a child prints, then with None at the end.
-_LineCallback = Callable[[str | None], None]
-
 _USAGE = (
-    "jaxps-launch [-h] --workers N --servers K [--timeout SECONDS] "
-    "[--job-id ID] [--engine-threads T] -- CMD [ARGS ...]"
+    "jaxps-launch [-h] (--workers N --servers K | --hostfile FILE) "
+    "[--timeout SECONDS] [--job-id ID] [--engine-threads T] [--dry-run] "
+    "[--async] [--deterministic] -- CMD [ARGS ...]"
 )
 
 
@@ -317,107 +312,6 @@ class _Output:
         self.line(self.err, f"jaxps-launch: {message}")
 
 
-class _Child:
-    """One child process, the threads copying its output and its waiter.
-
-    Args:
-      label: ``"worker 0"``, ``"server 1"``, ...
-      argv: the command line.
-      env: the complete environment.
-      output: where to copy the child's lines.
-      events: receives ``("exit", child)`` when the child exits.
-      on_stdout_line: called with each stdout line before it is copied.
-    """
-
-    def __init__(
-        self,
-        label: str,
-        argv: Sequence[str],
-        env: dict[str, str],
-        output: _Output,
-        events: queue.SimpleQueue,
-        on_stdout_line: _LineCallback | None = None,
-    ):
-        self.label = label
-        self.proc = subprocess.Popen(
-            list(argv),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
-        prefix = f"[{label}] "
-        self._threads = [
-            _start_thread(
-                self._pump,
-                self.proc.stdout,
-                output,
-                output.out,
-                prefix,
-                on_stdout_line,
-            ),
-            _start_thread(
-                self._pump, self.proc.stderr, output, output.err, prefix, None
-            ),
-            _start_thread(self._wait, events),
-        ]
-
-    @staticmethod
-    def _pump(
-        pipe: IO[bytes],
-        output: _Output,
-        stream: IO[str],
-        prefix: str,
-        on_line: _LineCallback | None,
-    ) -> None:
-        with pipe:
-            for raw in iter(pipe.readline, b""):
-                text = raw.decode("utf-8", "replace").rstrip("\r\n")
-                if on_line is not None:
-                    on_line(text)
-                output.line(stream, prefix + text)
-        if on_line is not None:
-            on_line(None)
-
-    def _wait(self, events: queue.SimpleQueue) -> None:
-        self.proc.wait()
-        events.put(("exit", self))
-
-    @property
-    def returncode(self) -> int | None:
-        """The exit status once the waiter has seen it, else None."""
-        return self.proc.returncode
-
-    def signal_group(self, signum: int) -> None:
-        """Sends `signum` to the child's process group (if any is left)."""
-        try:
-            os.killpg(self.proc.pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def group_alive(self) -> bool:
-        """Whether the child or anything in its process group still runs."""
-        if self.proc.returncode is None:
-            return True
-        try:
-            os.killpg(self.proc.pid, 0)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
-
-    def join(self, deadline: float) -> None:
-        """Waits until `deadline` for the output threads and the waiter."""
-        for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-
-
-def _start_thread(target: Callable[..., None], *args: Any) -> threading.Thread:
-    thread = threading.Thread(target=target, args=args, daemon=True)
-    thread.start()
-    return thread
-
-
 def exit_code(returncode: int) -> int:
     """Maps a `subprocess` return code to a shell-style exit code.
 
@@ -463,8 +357,8 @@ class Launcher:
         self.config = config
         self.output = _Output(out or sys.stdout, err or sys.stderr)
         self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.servers: list[_Child] = []
-        self.workers: list[_Child] = []
+        self.servers: list[process.Child] = []
+        self.workers: list[process.Child] = []
         self.signals: list[int] = []
 
     def on_signal(self, signum: int, frame: Any = None) -> None:
@@ -495,15 +389,23 @@ class Launcher:
             )
 
     def _child(
-        self,
-        label: str,
-        argv: Sequence[str],
-        env: dict[str, str],
-        on_stdout_line: _LineCallback | None = None,
-    ) -> _Child:
+        self, label: str, argv: Sequence[str], env: dict[str, str]
+    ) -> process.Child:
+        """Starts a child whose lines are copied with a ``[label]`` prefix
+        and whose exit is put on `events`."""
+        prefix = f"[{label}] "
+        out = self.output
+
+        def on_line(stream: str, text: str) -> None:
+            out.line(out.out if stream == "stdout" else out.err, prefix + text)
+
         try:
-            return _Child(
-                label, argv, env, self.output, self.events, on_stdout_line
+            return process.Child(
+                label,
+                argv,
+                env=env,
+                on_line=on_line,
+                on_exit=lambda child: self.events.put(("exit", child)),
             )
         except OSError as err:
             code = 127 if isinstance(err, FileNotFoundError) else 126
@@ -555,53 +457,38 @@ class Launcher:
 
     def _start_servers(self) -> list[str]:
         """Starts every server, then waits for all of their addresses."""
-        ready: list[queue.SimpleQueue] = []
         env = dict(os.environ)
         commands = self.commands()[: self.config.servers]
         for label, argv in commands:
-            q: queue.SimpleQueue = queue.SimpleQueue()
-            self.servers.append(self._child(label, argv, env, _ready_line(q)))
-            ready.append(q)
+            self.servers.append(self._child(label, argv, env))
         deadline = time.monotonic() + SERVER_START_TIMEOUT
         addresses = [
-            self._await_ready(server, q, deadline)
-            for server, q in zip(self.servers, ready, strict=True)
+            self._await_ready(server, deadline) for server in self.servers
         ]
         if self.config.hosts is not None:  # as named in the hostfile
             return list(self.config.hosts.servers)
         return addresses
 
-    def _await_ready(
-        self, server: _Child, ready: queue.SimpleQueue, deadline: float
-    ) -> str:
+    def _await_ready(self, server: process.Child, deadline: float) -> str:
         """Returns the address `server` prints, or raises LaunchError."""
-        while True:
-            self._check_signal()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise LaunchError(
-                    f"{server.label} printed no {READY_PREFIX.strip()!r} line "
-                    f"within {SERVER_START_TIMEOUT:g} s; its output, if any, "
-                    "is above"
-                )
-            try:
-                address = ready.get(timeout=min(left, _TICK))
-            except queue.Empty:
-                continue
-            if address is not None:
-                return address
-            try:
-                server.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                raise LaunchError(
-                    f"{server.label} closed its stdout without printing "
-                    f"a {READY_PREFIX.strip()!r} line"
-                ) from None
-            server.join(time.monotonic() + DRAIN_TIMEOUT)
+        try:
+            return process.server_address(server, deadline, self._check_signal)
+        except process.ChildExited:
             raise LaunchError(
-                f"{server.label} ended ({describe(server.returncode)}) before "
+                f"{server.name} ended ({describe(server.returncode)}) before "
                 "it was ready; its output is above"
-            )
+            ) from None
+        except process.StdoutClosed:
+            raise LaunchError(
+                f"{server.name} closed its stdout without printing "
+                f"a {READY_PREFIX.strip()!r} line"
+            ) from None
+        except TimeoutError:
+            raise LaunchError(
+                f"{server.name} printed no {READY_PREFIX.strip()!r} line "
+                f"within {SERVER_START_TIMEOUT:g} s; its output, if any, "
+                "is above"
+            ) from None
 
     def _start_workers(self, addresses: list[str]) -> None:
         if self.config.hosts is not None:
@@ -632,66 +519,33 @@ class Launcher:
                 continue
             if child in self.servers:
                 raise LaunchError(
-                    f"{child.label} ended ({describe(child.returncode)}) "
+                    f"{child.name} ended ({describe(child.returncode)}) "
                     "while workers were running; stopping all processes"
                 )
             running.discard(child)
             if child.returncode != 0:
                 raise LaunchError(
-                    f"{child.label} failed ({describe(child.returncode)}); "
+                    f"{child.name} failed ({describe(child.returncode)}); "
                     "stopping all processes",
                     exit_code(child.returncode),
                 )
         return 0
 
     def stop(self) -> None:
-        """Stops every child: SIGTERM, then SIGKILL after `STOP_GRACE` s."""
-        children = self.workers + self.servers
+        """Stops every child: SIGTERM, then SIGKILL after `STOP_GRACE` s.
+
+        A second signal to the launcher cuts the grace short.
+        """
         signals_seen = len(self.signals)
-        for child in children:
-            child.signal_group(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE
-        while (
-            any(c.group_alive() for c in children)
-            and time.monotonic() < deadline
-            and len(self.signals) == signals_seen
-        ):
-            time.sleep(0.02)
-        for child in children:
-            if child.group_alive():
-                child.signal_group(signal.SIGKILL)
-        deadline = time.monotonic() + STOP_GRACE
-        for child in children:
-            try:
-                child.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.output.error(
-                    f"{child.label} (pid {child.proc.pid}) survived SIGKILL"
-                )
-        deadline = time.monotonic() + DRAIN_TIMEOUT
-        for child in children:
-            child.join(deadline)
-
-
-def _ready_line(ready: queue.SimpleQueue) -> _LineCallback:
-    """Returns a stdout callback that puts the server address on `ready`.
-
-    It puts None at the end of the output if no ready line came.
-    """
-    done = False
-
-    def on_line(text: str | None) -> None:
-        nonlocal done
-        if done:
-            return
-        if text is None:
-            done = True
-            ready.put(None)
-        elif text.startswith(READY_PREFIX):
-            done = True
-            ready.put(text[len(READY_PREFIX) :].strip())
-
-    return on_line
+        survivors = process.stop_all(
+            self.workers + self.servers,
+            STOP_GRACE,
+            interrupted=lambda: len(self.signals) != signals_seen,
+        )
+        for child in survivors:
+            self.output.error(
+                f"{child.name} (pid {child.proc.pid}) survived SIGKILL"
+            )
 
 
 def _install_handlers(handler: Callable[..., None]) -> dict[int, Any]:
