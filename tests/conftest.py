@@ -4,19 +4,27 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
-import subprocess  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 
 import pytest  # noqa: E402
 
-from jaxps.servers._wire import READY_PREFIX  # noqa: E402
+from jaxps._src import process  # noqa: E402
+
+#: Seconds a server may take to print its ready line.
+SERVER_START_TIMEOUT = 60.0
 
 
 class ServerProcess:
-    """A ``jaxps-server`` child process on 127.0.0.1 and a free port."""
+    """A ``jaxps-server`` child process on 127.0.0.1 and a free port.
+
+    Its stdout stays a pipe that a test may read (``proc.stdout``) after the
+    ready line.
+    """
 
     def __init__(self, num_workers: int, *extra: str):
-        self.proc = subprocess.Popen(
+        self.child = process.Child(
+            "jaxps-server",
             [
                 sys.executable,
                 "-m",
@@ -27,33 +35,21 @@ class ServerProcess:
                 str(num_workers),
                 *extra,
             ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
         )
-        line = self.proc.stdout.readline()
-        if not line.startswith(READY_PREFIX):
-            self.stop()
-            raise RuntimeError(
-                f"server did not start: {line!r} {self.proc.stderr.read()}"
+        self.proc = self.child.proc
+        try:
+            self.address = process.server_address(
+                self.child, time.monotonic() + SERVER_START_TIMEOUT
             )
-        self.address = line[len(READY_PREFIX) :].strip()
+        except (RuntimeError, TimeoutError) as err:
+            self.stop()
+            raise RuntimeError(f"server did not start: {err}") from None
 
     def stop(self, sig=None) -> None:
-        if self.proc.poll() is None:
-            if sig is None:
-                self.proc.terminate()
-            else:
-                self.proc.send_signal(sig)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        for stream in (self.proc.stdout, self.proc.stderr):
-            if stream:
-                stream.close()
+        """Sends `sig` (default SIGTERM), then SIGKILL after 10 s."""
+        if sig is not None:
+            self.child.signal_group(sig)
+        self.child.stop(10)
 
 
 @pytest.fixture
