@@ -5,21 +5,35 @@ them; every later push is a delta that is added at once, without waiting for
 the other ranks, and every pull answers the current parameters at once.
 Exactly-once still holds: a rank's push of a round it already pushed is
 acknowledged and not added again.
+
+`AsyncStore` implements `_store.PushPullStore` beside `_store.Store`,
+sharing only the key registry (`_store.Keys`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import _wire
-from ._store import Key, Round, Store, StoreError, _accumulator_dtype, _cast
+from . import _kernels, _wire
+from ._store import Key, Keys, StoreError
+
+
+class _Held:
+    """A key's held value and each rank's last pushed round."""
+
+    __slots__ = ("value", "last_round")
+
+    def __init__(self):
+        self.value: np.ndarray | None = None
+        self.last_round: dict[int, int] = {}
 
 
 class _AsyncTicket:
-    __slots__ = ("key", "data", "init")
+    __slots__ = ("key", "held", "data", "init")
 
-    def __init__(self, key: Key, data: np.ndarray, init: bool):
+    def __init__(self, key: Key, held: _Held, data: np.ndarray, init: bool):
         self.key = key
+        self.held = held
         self.data = data
         self.init = init
 
@@ -28,22 +42,22 @@ class _AsyncTicket:
         return self.key.engine
 
     def run(self) -> bool:
-        k, data = self.key, self.data
+        held, data = self.held, self.data
         if self.init:
-            if k.value is None:  # the first initial value wins
-                k.value = data.astype(_accumulator_dtype(data.dtype))
-        elif k.value is None:
+            if held.value is None:  # the first initial value wins
+                held.value = data.astype(_kernels.accumulator_dtype(data.dtype))
+        elif held.value is None:
             raise StoreError(
                 "FAILED_PRECONDITION",
-                f"delta for key {k.key} ({k.name}) before its initial value "
-                "(round 0).",
+                f"delta for key {self.key.key} ({self.key.name}) before its "
+                "initial value (round 0).",
             )
         else:
-            np.add(k.value, data, out=k.value, casting="unsafe")
+            np.add(held.value, data, out=held.value, casting="unsafe")
         return True
 
 
-class AsyncStore(Store):
+class AsyncStore:
     """Holds parameters; adds each rank's deltas as they come.
 
     Args:
@@ -52,9 +66,26 @@ class AsyncStore(Store):
       encode: turns the current value (an array) into the pull reply.
     """
 
-    def __init__(self, num_workers: int, *, engine_threads: int = 1, **kw):
-        kw.pop("deterministic", None)
-        super().__init__(num_workers, engine_threads=engine_threads, **kw)
+    #: A push is acknowledged once added: a refused delta fails its push.
+    acks_after_sum = True
+
+    def __init__(
+        self,
+        num_workers: int,
+        *,
+        engine_threads: int = 1,
+        encode=np.ndarray.tobytes,
+    ):
+        self._keys = Keys(num_workers, engine_threads)
+        self._held: dict[int, _Held] = {}
+        self.num_workers = num_workers
+        self.encode = encode
+        self.rounds_completed = 0
+        self.bytes_summed = 0
+        self.last_round_by_rank: dict[int, int] = {}
+
+    def check_rank(self, rank: int) -> None:
+        self._keys.check_rank(rank)
 
     def begin_push(
         self,
@@ -69,39 +100,45 @@ class AsyncStore(Store):
         name: str = "",
         now: float | None = None,
         lent: bool = False,
-    ):
+    ) -> _AsyncTicket | None:
         """Validates a push; returns its work, or None for a repeat.
 
         Payloads are always copied or added at once, so `lent` changes
         nothing here.
         """
         del checksum, now, lent
-        k, dtype = self._validate_push(
-            key, round, rank, dtype_code, length, payload, name
+        dtype = self._keys.check_payload(
+            key, rank, dtype_code, length, payload, name
         )
-        last = k.last_round.get(rank, -1)
-        if round <= last:
+        k = self._keys.add(key, dtype_code, length, name)
+        held = self._held.setdefault(key, _Held())
+        if round <= held.last_round.get(rank, -1):
             return None  # a retry of a round this rank already pushed
-        k.last_round[rank] = round
+        held.last_round[rank] = round
         if round > self.last_round_by_rank.get(rank, -1):
             self.last_round_by_rank[rank] = round
         self.bytes_summed += len(payload)
         data = np.frombuffer(payload, dtype=dtype)
-        return _AsyncTicket(k, data, init=(round == 0))
+        return _AsyncTicket(k, held, data, init=(round == 0))
 
-    def finish_push(self, ticket) -> None:
+    def finish_push(
+        self, ticket: _AsyncTicket, error: BaseException | None = None
+    ) -> None:
+        """Counts an added push; re-raises the `error` of a refused one."""
+        if error is not None:
+            raise error
         self.rounds_completed += 1
 
     def pull(
         self,
         *,
-        key,
-        round,
-        rank,
-        dtype_code,
-        length,
-        now=None,
-        raw=False,
+        key: int,
+        round: int,
+        rank: int,
+        dtype_code: int,
+        length: int,
+        now: float | None = None,
+        raw: bool = False,
         into=None,
     ):
         """Returns the current value at once: (None, encoded value), with
@@ -110,20 +147,38 @@ class AsyncStore(Store):
         del round, now
         self.check_rank(rank)
         k = self._keys.get(key)
-        if k is None or k.value is None:
+        held = self._held.get(key)
+        if k is None or held is None or held.value is None:
             raise StoreError(
                 "FAILED_PRECONDITION",
                 f"pull of key {key} before its initial value was pushed.",
             )
-        self._check_schema(k, dtype_code, length)
-        value = _cast(k.value, _wire.code_dtype(k.dtype_code))
+        self._keys.check_schema(k, dtype_code, length)
+        return None, self._answer(k, held, raw, into)
+
+    def collect(self, key, rnd, rank, raw=False, into=None, now=None):
+        """Answers the current value: `pull` never leaves a pull waiting,
+        so there is no round to collect."""
+        del rnd, rank, now
+        return self._answer(self._keys.get(key), self._held[key], raw, into)
+
+    def _answer(self, k: Key, held: _Held, raw: bool, into):
+        value = _kernels.cast(held.value, _wire.code_dtype(k.dtype_code))
         if into is not None:
             np.copyto(np.frombuffer(into, value.dtype, value.size), value)
-            return None, into
-        return None, value if raw else self.encode(value)
-
-    def collect(self, key, rnd: Round, rank, raw=False, into=None):
-        raise AssertionError("async pulls never wait")  # pragma: no cover
+            return into
+        return value if raw else self.encode(value)
 
     def expire(self, now: float | None = None) -> int:
+        """Nothing expires: async pushes never wait for each other."""
+        return 0
+
+    @property
+    def num_keys(self) -> int:
+        return len(self._keys)
+
+    def pending_pulls(self) -> int:
+        return 0
+
+    def pending_rounds(self) -> int:
         return 0

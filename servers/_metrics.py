@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
-from ._store import Store
+from ._store import PushPullStore
 
 
-def snapshot(store: Store) -> dict:
+def snapshot(store: PushPullStore) -> dict:
     """The store's counters and gauges, read now."""
     last = dict(store.last_round_by_rank)
     newest = max(last.values(), default=0)
@@ -21,7 +21,7 @@ def snapshot(store: Store) -> dict:
     }
 
 
-def start_prometheus(store: Store, host: str, port: int):
+def start_prometheus(store: PushPullStore, host: str, port: int):
     """Serves the store's metrics at http://host:port/metrics."""
     try:
         import prometheus_client
@@ -81,7 +81,7 @@ class StatusLine:
         self.address = address
         self._last = (time.monotonic(), 0)
 
-    def line(self, store: Store) -> str:
+    def line(self, store: PushPullStore) -> str:
         s = snapshot(store)
         now = time.monotonic()
         then, summed = self._last

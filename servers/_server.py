@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from . import _auth, _metrics, _service, _wire
+from . import _auth, _metrics, _service, _summation, _wire
 
 log = logging.getLogger("jaxps.server")
 
@@ -65,6 +65,8 @@ class Server:
     def __init__(self, server, servicer, health, port: int, opts):
         self.grpc_server = server
         self.servicer = servicer
+        #: The gRPC-free core the servicer (and any other transport) calls.
+        self.summation = servicer.summation
         self.health = health
         self.port = port
         self.options = opts
@@ -80,7 +82,7 @@ class Server:
         await self.grpc_server.start()
         if self.options.metrics_port is not None:
             self._metrics = _metrics.start_prometheus(
-                self.servicer.store,
+                self.summation.store,
                 self.options.host,
                 self.options.metrics_port,
             )
@@ -93,7 +95,7 @@ class Server:
         )
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._expiry = asyncio.get_running_loop().create_task(
-            self.servicer.expire_forever()
+            self.summation.expire_forever()
         )
 
     async def stop(self, grace: float | None = None) -> None:
@@ -106,13 +108,13 @@ class Server:
             self._metrics.shutdown()
         grace = self.options.grace if grace is None else grace
         await self.grpc_server.stop(grace)
-        self.servicer.close()
+        self.summation.close()
 
     async def _print_status(self, interval: float) -> None:
         status = _metrics.StatusLine(self.address)
         while True:
             await asyncio.sleep(interval)
-            print(status.line(self.servicer.store), flush=True)
+            print(status.line(self.summation.store), flush=True)
 
     async def wait(self) -> None:
         await self.grpc_server.wait_for_termination()
@@ -123,7 +125,7 @@ def create_server(opts: ServerOptions) -> Server:
 
     Must be called with a running asyncio event loop.
     """
-    servicer = _service.SummationServicer(
+    summation = _summation.Summation(
         opts.num_workers,
         job_id=opts.job_id,
         round_timeout=opts.round_timeout,
@@ -131,6 +133,7 @@ def create_server(opts: ServerOptions) -> Server:
         deterministic=opts.deterministic,
         async_mode=opts.async_mode,
     )
+    servicer = _service.SummationServicer(summation)
     options = _wire.channel_options(opts.max_message_bytes) + [
         ("grpc.so_reuseport", 0),
     ]

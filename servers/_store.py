@@ -1,85 +1,133 @@
-"""Per-key, per-round summation state of a server, free of gRPC.
+"""The key registry and the round store of a server, free of gRPC.
 
-The store's bookkeeping (`begin_push`, `pull`, `expire`) runs on one thread,
-the server's event loop. The numpy work of a push (`PushTicket.run`) runs on
-the engine thread that owns the key, so the pushes of a key are summed one at a
-time without locks while different keys are summed in parallel.
+`Keys` fixes each chunk key's dtype, length and engine thread at its first
+push and validates every request against them. `Store` keeps each key's
+live rounds (`_round.Round`) within a window, hands out the numpy work of
+each push (`_round.PushTicket`), answers pulls and fails rounds past their
+deadline. Its bookkeeping runs on one thread, the server's event loop; the
+tickets run on the key's engine thread (see `_round` for the threading
+rule), so a key's pushes are summed one at a time while different keys are
+summed in parallel.
 
 Sums go into accumulators that each key reuses round after round (memory
 that was already touched is several times faster to write than fresh
-memory). No push is copied: the first is kept as it came, and the second is
-added to it straight into the accumulator.
+memory).
 
-A push may also *lend* its payload (a worker's shared-memory slot, which the
-worker leaves alone until its pull of the round returns). The running sum
-is then made in place in a lent slot, and the finished sum is copied into
-the other lent slots, where their ranks' pulls find it: a 2-rank round of
-shared-memory pushes is one in-place add and one copy.
+`PushPullStore` is the interface the summation core (`_summation`) uses;
+`Store` and `_async_store.AsyncStore` implement it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from . import _wire
+from . import _kernels, _wire
+from ._round import PushTicket, Round
 
-try:  # optional: built from _sum.c where a C compiler was found
-    from . import _sum
-except ImportError:
-    _sum = None
-
-#: Dtypes `_sum.add` sums with streaming stores, by its kind code.
-_STREAMED = {
-    np.dtype(np.float32): "f4",
-    np.dtype(np.float64): "f8",
-    np.dtype(np.int32): "i4",
-    np.dtype(np.int64): "i8",
-}
-
-# Half-precision payloads are accumulated in float32 and cast back once.
-_ACCUMULATOR = {
-    np.dtype(np.float16): np.dtype(np.float32),
-}
-
+log = logging.getLogger("jaxps.server")
 
 #: The store refuses requests with `_wire.Rejected`.
 StoreError = _wire.Rejected
 
 
-def _accumulator_dtype(dtype: np.dtype) -> np.dtype:
-    if dtype.kind == "V" or dtype.name == "bfloat16":
-        return np.dtype(np.float32)
-    return _ACCUMULATOR.get(dtype, dtype)
+class Ticket(Protocol):
+    """The numpy work of one accepted push."""
+
+    data: np.ndarray
+
+    @property
+    def engine(self) -> int:
+        """The engine thread that runs it (its key's)."""
+
+    def run(self) -> bool:
+        """Adds the payload; returns True if it completed a round."""
 
 
-@dataclasses.dataclass(eq=False)
-class Round:
-    """One (key, round): contributions, the finished sum and who pulled it."""
+@runtime_checkable
+class PushPullStore(Protocol):
+    """What the summation core needs of a store.
 
-    number: int
-    started: float
-    acc: np.ndarray  # the sum when no lent slot can hold it (acc. dtype)
-    pushed: dict[int, int] = dataclasses.field(default_factory=dict)
-    # pushes kept until they are added (the first one, or all of them in
-    # rank order when deterministic)
-    parts: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
-    # each lending rank's slot, where its pull finds the sum
-    lent: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
-    running: np.ndarray | None = None  # the sum so far (acc or a lent slot)
-    summed: int = 0
-    total: np.ndarray | None = None  # the finished sum, in the wire dtype
-    encoded: bytes | None = None  # `total` encoded once for every puller
-    pulled: set[int] = dataclasses.field(default_factory=set)
-    error: StoreError | None = None
-    waiters: list = dataclasses.field(default_factory=list)
+    A push is `begin_push`, then its ticket's `run` (on the ticket's engine
+    thread or inline), then `finish_push` on the event loop. A pull is
+    `pull`; if it returns a round but no answer, the caller waits for a
+    wake-up (`Round.waiters`) or the round's `deadline`, then `collect`\\ s.
+    """
+
+    num_workers: int
+    #: Whether a push is acknowledged only once summed (then a sum that
+    #: raises fails the push); else it is acknowledged once accepted.
+    acks_after_sum: bool
+    bytes_summed: int
+    rounds_completed: int
+    last_round_by_rank: dict[int, int]
+
+    def check_rank(self, rank: int) -> None: ...
+
+    def begin_push(
+        self,
+        *,
+        key: int,
+        round: int,
+        rank: int,
+        dtype_code: int,
+        length: int,
+        payload,
+        checksum: int,
+        name: str = "",
+        now: float | None = None,
+        lent: bool = False,
+    ) -> Ticket | None: ...
+
+    def finish_push(
+        self, ticket: Ticket, error: BaseException | None = None
+    ) -> None: ...
+
+    def pull(
+        self,
+        *,
+        key: int,
+        round: int,
+        rank: int,
+        dtype_code: int,
+        length: int,
+        now: float | None = None,
+        raw: bool = False,
+        into=None,
+    ) -> tuple[Round | None, Any]: ...
+
+    def collect(
+        self,
+        key: int,
+        rnd: Round,
+        rank: int,
+        raw: bool = False,
+        into=None,
+        now: float | None = None,
+    ) -> Any: ...
+
+    def expire(self, now: float | None = None) -> int: ...
+
+    @property
+    def num_keys(self) -> int: ...
+
+    def pending_pulls(self) -> int: ...
+
+    def pending_rounds(self) -> int: ...
+
+
+def _tobytes(array: np.ndarray) -> bytes:
+    return array.tobytes()
 
 
 @dataclasses.dataclass(eq=False)
 class Key:
-    """A chunk key: its fixed dtype and length, and its live rounds."""
+    """A chunk key: its fixed dtype, length and engine, and its live rounds
+    (a `Store`'s)."""
 
     key: int
     name: str
@@ -95,149 +143,105 @@ class Key:
     buffers: dict[int, tuple[np.ndarray, int]] = dataclasses.field(
         default_factory=dict
     )
-    # async mode: the held value and each rank's last pushed round
-    value: np.ndarray | None = None
-    last_round: dict[int, int] = dataclasses.field(default_factory=dict)
-
-
-class PushTicket:
-    """The numpy work of one accepted push, run on the key's engine thread."""
-
-    __slots__ = (
-        "key",
-        "round",
-        "rank",
-        "data",
-        "num_workers",
-        "ordered",
-        "lent",
-    )
-
-    def __init__(self, key, rnd, rank, data, num_workers, ordered, lent):
-        self.key = key
-        self.round = rnd
-        self.rank = rank
-        self.data = data
-        self.num_workers = num_workers
-        self.ordered = ordered
-        self.lent = lent
 
     @property
-    def engine(self) -> int:
-        return self.key.engine
+    def label(self) -> str:
+        """The key for messages: its number and, if known, its name."""
+        return f"{self.key} ({self.name})" if self.name else str(self.key)
 
-    def run(self) -> bool:
-        """Adds the payload into the round; returns True if it completed."""
-        rnd, data = self.round, self.data
-        if self.lent:
-            rnd.lent[self.rank] = data
-        running = rnd.running
-        delivered = False
-        if self.ordered:
-            rnd.parts[self.rank] = data
-        elif running is not None:
-            last = rnd.summed + 1 == self.num_workers
-            if last and running.dtype == data.dtype and len(rnd.lent) > 1:
-                slots = [s for s in rnd.lent.values() if s is not running]
-                _add_and_copy(running, data, slots)
-                delivered = True
-            else:
-                np.add(running, data, out=running, casting="unsafe")
-        elif not rnd.parts:
-            if self.lent and data.dtype == rnd.acc.dtype:
-                rnd.running = data  # the sum is made in this slot
-            else:
-                rnd.parts[self.rank] = data  # the next push adds to it
-        else:
-            ((first_rank, first),) = rnd.parts.items()
-            rnd.parts = {}
-            rnd.running = _sum_into(
-                rnd, [first, data], [first_rank in rnd.lent, self.lent]
+
+class Keys:
+    """The keys a server knows, each fixed by its first valid push.
+
+    Args:
+      num_workers: number of ranks; valid ranks are ``[0, num_workers)``.
+      engine_threads: engine threads keys are spread over (by bytes).
+    """
+
+    def __init__(self, num_workers: int, engine_threads: int = 1):
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}.")
+        self.num_workers = num_workers
+        self._keys: dict[int, Key] = {}
+        self._engine_bytes = [0] * max(1, engine_threads)
+
+    def check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.num_workers:
+            raise StoreError(
+                "INVALID_ARGUMENT",
+                f"rank {rank} out of range: this server sums "
+                f"num_workers={self.num_workers} ranks [0, "
+                f"{self.num_workers}).",
             )
-        rnd.summed += 1
-        if rnd.summed == self.num_workers:
-            self._finish(rnd, data.dtype, delivered)
-        return rnd.total is not None
 
-    def _finish(self, rnd: Round, dtype: np.dtype, delivered: bool) -> None:
-        """Makes the total and copies it into every lent slot (unless the
-        last add `delivered` it there already)."""
-        if rnd.parts:  # deterministic, or a single rank
-            ranks = sorted(rnd.parts)
-            parts = [rnd.parts[r] for r in ranks]
-            rnd.parts = {}
-            rnd.running = _sum_into(rnd, parts, [r in rnd.lent for r in ranks])
-        total = _cast(rnd.running, dtype)
-        for slot in () if delivered else rnd.lent.values():
-            if slot is not total:
-                np.copyto(slot, total)
-        if len(rnd.lent) < self.num_workers and any(
-            slot is total for slot in rnd.lent.values()
-        ):
-            # gRPC pullers need the sum after the slot's owner reuses it
-            np.copyto(rnd.acc, total)
-            total = rnd.acc
-        rnd.total = total
+    def check_payload(
+        self, key, rank, dtype_code, length, payload, name
+    ) -> np.dtype:
+        """Checks a push's rank, dtype and size; returns its dtype."""
+        self.check_rank(rank)
+        dtype = _dtype(key, dtype_code)
+        label = f"{key} ({name})" if name else str(key)
+        if length < 1 or len(payload) != length * dtype.itemsize:
+            raise StoreError(
+                "INVALID_ARGUMENT",
+                f"payload of key {label} has {len(payload)} bytes but "
+                f"length={length} elements of {dtype} need "
+                f"{max(length, 1) * dtype.itemsize} bytes.",
+            )
+        return dtype
 
+    def add(self, key: int, dtype_code: int, length: int, name: str) -> Key:
+        """The key's state, created by its first (checked) push; raises if
+        the push contradicts the key's dtype or length."""
+        k = self._keys.get(key)
+        if k is None:
+            engine = min(
+                range(len(self._engine_bytes)),
+                key=self._engine_bytes.__getitem__,
+            )
+            itemsize = _wire.code_dtype(dtype_code).itemsize
+            self._engine_bytes[engine] += length * itemsize
+            k = Key(key, name, dtype_code, length, engine)
+            self._keys[key] = k
+            return k
+        self.check_schema(k, dtype_code, length)
+        return k
 
-def _sum_into(rnd: Round, parts: list, lent: list[bool]) -> np.ndarray:
-    """Sums `parts` in order into a lent slot among the first two, else into
-    the accumulator; returns where the sum is."""
-    acc = rnd.acc
-    out = next(
-        (p for p, ok in zip(parts[:2], lent) if ok and p.dtype == acc.dtype),
-        acc,
-    )
-    if len(parts) == 1:
-        if out is not parts[0]:
-            np.copyto(out, parts[0], casting="unsafe")
-        return out
-    if out is acc:
-        _add_into(parts[0], parts[1], acc)
-    else:  # in place in a lent slot
-        np.add(parts[0], parts[1], out=out, dtype=out.dtype, casting="unsafe")
-    for part in parts[2:]:
-        np.add(out, part, out=out, casting="unsafe")
-    return out
+    def get(self, key: int) -> Key | None:
+        return self._keys.get(key)
 
+    @staticmethod
+    def check_schema(k: Key, dtype_code: int, length: int) -> None:
+        if dtype_code != k.dtype_code:
+            raise StoreError(
+                "INVALID_ARGUMENT",
+                f"dtype of key {k.label} is "
+                f"{_wire.dtype_name(dtype_code)} but its first push had "
+                f"{_wire.dtype_name(k.dtype_code)}.",
+            )
+        if length != k.length:
+            raise StoreError(
+                "INVALID_ARGUMENT",
+                f"length of key {k.label} is {length} but its first "
+                f"push had length={k.length}.",
+            )
 
-def _add_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-    """``out = a + b`` into a third array (an accumulator, most likely not
-    in the cache), with streaming stores where `_sum` is built: ordinary
-    stores would first read every line of `out`."""
-    kind = _STREAMED.get(out.dtype)
-    if (
-        _sum is not None
-        and _sum.NONTEMPORAL
-        and kind is not None
-        and a.dtype == b.dtype == out.dtype
-    ):
-        _sum.add(kind, a, b, out)
-    else:
-        np.add(a, b, out=out, dtype=out.dtype, casting="unsafe")
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __iter__(self):
+        return iter(self._keys.values())
 
 
-#: Block of `_add_and_copy`: the copies read it from the core's cache.
-_BLOCK_BYTES = 256 * 1024
-
-
-def _add_and_copy(running: np.ndarray, data: np.ndarray, copies) -> None:
-    """``running += data``, then `running` into each of `copies`, a block at
-    a time, so the copies read the sum from the cache, not from memory."""
-    step = max(1, _BLOCK_BYTES // running.itemsize)
-    for lo in range(0, running.size, step):
-        block = running[lo : lo + step]
-        np.add(block, data[lo : lo + step], out=block, casting="unsafe")
-        for copy in copies:
-            np.copyto(copy[lo : lo + step], block)
-
-
-def _cast(acc: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    return acc if acc.dtype == dtype else acc.astype(dtype)
-
-
-def _tobytes(array: np.ndarray) -> bytes:
-    return array.tobytes()
+def _dtype(key: int, dtype_code: int) -> np.dtype:
+    try:
+        return _wire.code_dtype(dtype_code)
+    except KeyError:
+        raise StoreError(
+            "INVALID_ARGUMENT",
+            f"dtype of key {key} is {_wire.dtype_name(dtype_code)}; "
+            f"supported: {', '.join(_wire.SUPPORTED_DTYPES)}.",
+        ) from None
 
 
 class Store:
@@ -255,6 +259,9 @@ class Store:
         receives; the default is the raw array bytes.
     """
 
+    #: Pushes are acknowledged once accepted, and summed in the background.
+    acks_after_sum = False
+
     def __init__(
         self,
         num_workers: int,
@@ -265,18 +272,18 @@ class Store:
         round_window: int = 2,
         encode=_tobytes,
     ):
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}.")
+        self._keys = Keys(num_workers, engine_threads)
         self.num_workers = num_workers
         self.round_timeout = round_timeout
         self.deterministic = deterministic
         self.round_window = round_window
         self.encode = encode
-        self._keys: dict[int, Key] = {}
-        self._engine_bytes = [0] * max(1, engine_threads)
         self.rounds_completed = 0
         self.bytes_summed = 0
         self.last_round_by_rank: dict[int, int] = {}
+
+    def check_rank(self, rank: int) -> None:
+        self._keys.check_rank(rank)
 
     # -- pushes ------------------------------------------------------------
 
@@ -303,9 +310,14 @@ class Store:
         pulls the round: the sum is made or left in it, and that pull must
         name the same buffer.
         """
-        k, dtype = self._validate_push(
-            key, round, rank, dtype_code, length, payload, name
+        dtype = self._keys.check_payload(
+            key, rank, dtype_code, length, payload, name
         )
+        try:
+            k = self._keys.add(key, dtype_code, length, name)
+        except StoreError as err:
+            self._poison(key, round, err)
+            raise
         if k.last is not None and k.last.number == round:
             rnd = k.last  # a PushPull retried after its round was freed
         else:
@@ -315,7 +327,7 @@ class Store:
             if previous != checksum:
                 raise StoreError(
                     "ABORTED",
-                    f"rank {rank} pushed key {self._label(k)} round {round} "
+                    f"rank {rank} pushed key {k.label} round {round} "
                     "twice with different payloads (checksum "
                     f"{previous:#010x} then {checksum:#010x}); the first was "
                     "kept.",
@@ -336,41 +348,23 @@ class Store:
             lent,
         )
 
-    def _validate_push(
-        self, key, round, rank, dtype_code, length, payload, name
-    ) -> tuple[Key, np.dtype]:
-        """Checks rank, dtype and size; returns the key (created if new)."""
-        self.check_rank(rank)
-        dtype = self._dtype(key, dtype_code)
-        label = f"{key} ({name})" if name else str(key)
-        if length < 1 or len(payload) != length * dtype.itemsize:
-            raise StoreError(
-                "INVALID_ARGUMENT",
-                f"payload of key {label} has {len(payload)} bytes but "
-                f"length={length} elements of {dtype} need "
-                f"{max(length, 1) * dtype.itemsize} bytes.",
-            )
-        try:
-            return self._key(key, dtype_code, length, name), dtype
-        except StoreError as err:
-            self._poison(key, round, err)
-            raise
-
-    def finish_push(self, ticket: PushTicket) -> None:
-        """Wakes the pulls of a round that `ticket.run()` completed."""
+    def finish_push(
+        self, ticket: PushTicket, error: BaseException | None = None
+    ) -> None:
+        """Wakes the pulls of a round that `ticket.run()` completed, or
+        fails its round if `run` raised `error`."""
         rnd = ticket.round
-        if rnd.total is not None:
+        if error is not None:
+            log.error("summing a push failed: %r", error)
+            if not isinstance(error, StoreError):
+                error = StoreError(
+                    "INTERNAL",
+                    f"summing the push of rank {ticket.rank} failed: {error!r}",
+                )
+            self._poison(ticket.key.key, rnd.number, error)
+        elif rnd.total is not None:
             self.rounds_completed += 1
             self._wake(rnd)
-
-    def fail_push(self, ticket: PushTicket, err: BaseException) -> None:
-        """Fails the round of a ticket whose `run` raised `err`."""
-        if not isinstance(err, StoreError):
-            err = StoreError(
-                "INTERNAL",
-                f"summing the push of rank {ticket.rank} failed: {err!r}",
-            )
-        self._poison(ticket.key.key, ticket.round.number, err)
 
     # -- pulls -------------------------------------------------------------
 
@@ -402,7 +396,7 @@ class Store:
                 f"pull of unknown key {key} round {round}: this server has "
                 "never seen a push of it (was it restarted?).",
             )
-        self._check_schema(k, dtype_code, length)
+        self._keys.check_schema(k, dtype_code, length)
         if k.last is not None and k.last.number == round:
             # a retried pull of the round just freed
             return k.last, self._answer(k, k.last, rank, raw, into)
@@ -414,17 +408,27 @@ class Store:
         return rnd, self._take(k, rnd, rank, raw, into)
 
     def collect(
-        self, key: int, rnd: Round, rank: int, raw: bool = False, into=None
+        self,
+        key: int,
+        rnd: Round,
+        rank: int,
+        raw: bool = False,
+        into=None,
+        now: float | None = None,
     ) -> bytes | np.ndarray:
-        """Returns the sum of a round that completed while `rank` waited."""
+        """Returns the sum of a round that `rank` waited for, as `pull`
+        does; fails the round first if it is past its deadline at `now`,
+        and raises DEADLINE_EXCEEDED if it is still incomplete."""
+        now = time.monotonic() if now is None else now
+        self.fail_if_late(key, rnd, now)
         if rnd.error is not None:
             raise rnd.error
-        k = self._keys[key]
+        k = self._keys.get(key)
         if rnd.total is None:
             missing = sorted(set(range(self.num_workers)) - set(rnd.pushed))
             raise StoreError(
                 "DEADLINE_EXCEEDED",
-                f"pull of round {rnd.number} of key {self._label(k)} by rank "
+                f"pull of round {rnd.number} of key {k.label} by rank "
                 f"{rank} hit its deadline while waiting for rank(s) "
                 f"{missing} to push.",
             )
@@ -442,7 +446,7 @@ class Store:
                 raise StoreError(
                     "INVALID_ARGUMENT",
                     f"rank {rank} pushed round {rnd.number} of key "
-                    f"{self._label(k)} from a shared-memory slot and must "
+                    f"{k.label} from a shared-memory slot and must "
                     "pull it into the same slot.",
                 )
             return into
@@ -463,108 +467,55 @@ class Store:
                 k.done, k.last = rnd.number, rnd
         return answer
 
+    # -- expiry ------------------------------------------------------------
+
     def deadline(self, rnd: Round) -> float:
         """Monotonic time at which `rnd` fails if still incomplete."""
-        return rnd.started + self.round_timeout
+        return rnd.deadline
 
     def fail_if_late(self, key: int, rnd: Round, now: float) -> None:
         """Fails `rnd` if it is incomplete past its deadline."""
-        if (
-            rnd.total is None
-            and rnd.error is None
-            and now >= self.deadline(rnd)
-        ):
-            self._fail(self._keys[key], rnd)
+        if rnd.total is None and rnd.error is None and now >= rnd.deadline:
+            self._fail(self._keys.get(key), rnd)
 
     def expire(self, now: float | None = None) -> int:
         """Fails incomplete rounds past their deadline; returns how many."""
         now = time.monotonic() if now is None else now
         failed = 0
-        for k in self._keys.values():
+        for k in self._keys:
             for rnd in list(k.rounds.values()):
                 if rnd.error is not None:
-                    if now >= self.deadline(rnd) + self.round_timeout:
+                    if now >= rnd.deadline + self.round_timeout:
                         del k.rounds[rnd.number]  # forget it after a while
                     continue
-                if rnd.total is None and now >= self.deadline(rnd):
-                    self._fail(k, rnd)
-                    failed += 1
+                if rnd.total is None and now >= rnd.deadline:
+                    failed += self._fail(k, rnd)
         return failed
 
     def _poison(self, key: int, number: int, err: StoreError) -> None:
         k = self._keys.get(key)
         rnd = None if k is None else k.rounds.get(number)
-        if rnd is not None and rnd.total is None and rnd.error is None:
-            rnd.error = StoreError(
-                err.code, f"round {number} failed: {err.message}"
-            )
-            rnd.parts = {}
+        if rnd is not None and rnd.fail(
+            StoreError(err.code, f"round {number} failed: {err.message}")
+        ):
             self._wake(rnd)
 
-    def _fail(self, k: Key, rnd: Round) -> None:
+    def _fail(self, k: Key, rnd: Round) -> bool:
         missing = sorted(set(range(self.num_workers)) - set(rnd.pushed))
-        rnd.error = StoreError(
-            "DEADLINE_EXCEEDED",
-            f"round {rnd.number} of key {self._label(k)} timed out after "
-            f"{self.round_timeout:g} s waiting for rank(s) {missing} to push "
-            f"(ranks {sorted(rnd.pushed)} did).",
+        failed = rnd.fail(
+            StoreError(
+                "DEADLINE_EXCEEDED",
+                f"round {rnd.number} of key {k.label} timed out after "
+                f"{self.round_timeout:g} s waiting for rank(s) {missing} to "
+                f"push (ranks {sorted(rnd.pushed)} did).",
+            )
         )
-        rnd.parts = {}
-        k.done = max(k.done, rnd.number)
-        self._wake(rnd)
+        if failed:  # else it completed meanwhile
+            k.done = max(k.done, rnd.number)
+            self._wake(rnd)
+        return failed
 
-    # -- helpers -----------------------------------------------------------
-
-    def check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.num_workers:
-            raise StoreError(
-                "INVALID_ARGUMENT",
-                f"rank {rank} out of range: this server sums "
-                f"num_workers={self.num_workers} ranks [0, "
-                f"{self.num_workers}).",
-            )
-
-    @staticmethod
-    def _dtype(key: int, dtype_code: int) -> np.dtype:
-        try:
-            return _wire.code_dtype(dtype_code)
-        except KeyError:
-            raise StoreError(
-                "INVALID_ARGUMENT",
-                f"dtype of key {key} is {_wire.dtype_name(dtype_code)}; "
-                f"supported: {', '.join(_wire.SUPPORTED_DTYPES)}.",
-            ) from None
-
-    def _key(self, key: int, dtype_code: int, length: int, name: str) -> Key:
-        """The key's state, created by its first (validated) push."""
-        k = self._keys.get(key)
-        if k is None:
-            engine = min(
-                range(len(self._engine_bytes)),
-                key=self._engine_bytes.__getitem__,
-            )
-            itemsize = _wire.code_dtype(dtype_code).itemsize
-            self._engine_bytes[engine] += length * itemsize
-            k = Key(key, name, dtype_code, length, engine)
-            self._keys[key] = k
-            return k
-        self._check_schema(k, dtype_code, length)
-        return k
-
-    def _check_schema(self, k: Key, dtype_code: int, length: int) -> None:
-        if dtype_code != k.dtype_code:
-            raise StoreError(
-                "INVALID_ARGUMENT",
-                f"dtype of key {self._label(k)} is "
-                f"{_wire.dtype_name(dtype_code)} but its first push had "
-                f"{_wire.dtype_name(k.dtype_code)}.",
-            )
-        if length != k.length:
-            raise StoreError(
-                "INVALID_ARGUMENT",
-                f"length of key {self._label(k)} is {length} but its first "
-                f"push had length={k.length}.",
-            )
+    # -- rounds ------------------------------------------------------------
 
     def _round(self, k: Key, number: int, now: float | None) -> Round:
         rnd = k.rounds.get(number)
@@ -573,18 +524,23 @@ class Store:
         if number <= k.done:
             raise StoreError(
                 "ABORTED",
-                f"round {number} of key {self._label(k)} is from the past: "
+                f"round {number} of key {k.label} is from the past: "
                 f"rounds up to {k.done} are finished.",
             )
         if number > k.done + self.round_window:
             raise StoreError(
                 "FAILED_PRECONDITION",
-                f"round {number} of key {self._label(k)} is too far ahead: "
+                f"round {number} of key {k.label} is too far ahead: "
                 f"rounds up to {k.done} are finished and at most "
                 f"{self.round_window} may be live.",
             )
         now = time.monotonic() if now is None else now
-        rnd = Round(number, now, self._accumulator(k, number))
+        rnd = Round(
+            number,
+            now,
+            now + self.round_timeout,
+            self._accumulator(k, number),
+        )
         k.rounds[number] = rnd
         return rnd
 
@@ -604,7 +560,7 @@ class Store:
             ):
                 k.buffers[slot] = (array, number)
                 return array
-        dtype = _accumulator_dtype(_wire.code_dtype(k.dtype_code))
+        dtype = _kernels.accumulator_dtype(_wire.code_dtype(k.dtype_code))
         array = np.empty(k.length, dtype)
         if held is None:
             k.buffers[slot] = (array, number)
@@ -616,9 +572,7 @@ class Store:
         for wake in waiters:
             wake()
 
-    @staticmethod
-    def _label(k: Key) -> str:
-        return f"{k.key} ({k.name})" if k.name else str(k.key)
+    # -- metrics -----------------------------------------------------------
 
     @property
     def num_keys(self) -> int:
@@ -627,11 +581,9 @@ class Store:
     def pending_pulls(self) -> int:
         """Number of pulls waiting for their round to complete."""
         return sum(
-            len(rnd.waiters)
-            for k in self._keys.values()
-            for rnd in k.rounds.values()
+            len(rnd.waiters) for k in self._keys for rnd in k.rounds.values()
         )
 
     def pending_rounds(self) -> int:
         """Number of rounds that are live (incomplete or not fully pulled)."""
-        return sum(len(k.rounds) for k in self._keys.values())
+        return sum(len(k.rounds) for k in self._keys)

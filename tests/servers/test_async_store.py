@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxps.servers import StoreError, _wire
+from jaxps.servers import Store, StoreError, _store, _wire
 from jaxps.servers._async_store import AsyncStore
 
 
@@ -60,3 +60,28 @@ def test_pull_before_initial_value():
     store = AsyncStore(1)
     with pytest.raises(StoreError, match="before its initial value"):
         value(store, np.zeros(2, np.float32))
+
+
+def test_a_sibling_of_store_with_the_same_interface():
+    assert not issubclass(AsyncStore, Store)
+    for store in (AsyncStore(2), Store(2)):
+        assert isinstance(store, _store.PushPullStore)
+
+
+def test_refused_delta_fails_its_push():
+    store = AsyncStore(1)
+    ticket = store.begin_push(
+        key=1,
+        round=1,
+        rank=0,
+        dtype_code=_wire.dtype_code(np.float32),
+        length=1,
+        payload=np.ones(1, np.float32).tobytes(),
+        checksum=0,
+    )
+    with pytest.raises(StoreError, match="before its initial value") as e:
+        try:
+            ticket.run()
+        except StoreError as err:
+            store.finish_push(ticket, err)
+    assert e.value.code == "FAILED_PRECONDITION"

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jaxps.servers import Store, StoreError, _store, _wire
+from jaxps.servers import Store, StoreError, _kernels, _wire
 
 
 def push(store, key, rnd, rank, array, checksum=None):
@@ -342,7 +342,7 @@ def test_lent_slots_receive_the_sum(n, deterministic, dtype):
 @pytest.mark.parametrize("n", [2, 3])
 def test_lent_sum_spanning_many_blocks(n):
     # the last add and the copies into the other slots go block by block
-    size = 5 * _store._BLOCK_BYTES // 4 + 3
+    size = 5 * _kernels.BLOCK_BYTES // 4 + 3
     store = Store(n)
     parts = [np.arange(size, dtype=np.float32) * (r + 1) for r in range(n)]
     slots = [lend(store, 1, 0, rank, parts[rank]) for rank in range(n)]

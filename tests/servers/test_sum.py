@@ -5,9 +5,9 @@ import platform
 import numpy as np
 import pytest
 
-from jaxps.servers import Store, _store, _wire
+from jaxps.servers import Store, _kernels, _wire
 
-_sum = _store._sum
+_sum = _kernels._sum
 KINDS = {"f4": np.float32, "f8": np.float64, "i4": np.int32, "i8": np.int64}
 X86 = platform.machine() in ("x86_64", "AMD64")
 
