@@ -1,8 +1,9 @@
 """Helpers shared by the benchmark scripts: child processes and reporting.
 
-Every child is started in its own session (process group) with its output in
-a log file, so that a hung child can never block the parent on a full pipe and
-can always be stopped, with all its threads and children, by its group id.
+Every child is a `jaxps._src.process.Child`: started in its own session
+(process group) with its output in a log file, so that a hung child can never
+block the parent on a full pipe and can always be stopped, with all its
+threads and children, by its group id.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ import collections
 import contextlib
 import os
 import resource
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
+
+from jaxps._src import process
 
 MB = 1024 * 1024
 LOOPBACK = "127.0.0.1"
@@ -30,8 +31,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Child:
-    """A child process whose stdout and stderr go to files in `log_dir`."""
+class Child(process.Child):
+    """A child whose stdout and stderr go to ``<log_dir>/<name>.out``/``.err``.
+
+    It runs in `log_dir` (so that ``-m`` imports the installed packages, not
+    the caller's directory's) with our environment plus `env`.
+    """
 
     def __init__(
         self,
@@ -40,97 +45,28 @@ class Child:
         log_dir: str,
         env: dict[str, str] | None = None,
     ):
-        self.name = name
-        self.argv = list(argv)
-        self.out_path = os.path.join(log_dir, f"{name}.out")
-        self.err_path = os.path.join(log_dir, f"{name}.err")
-        full_env = dict(os.environ)
-        full_env.update(env or {})
-        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
-            # cwd: so that ``-m`` does not import packages from the caller's
-            # directory instead of the installed ones.
-            self.proc = subprocess.Popen(
-                self.argv,
-                stdout=out,
-                stderr=err,
-                stdin=subprocess.DEVNULL,
-                env=full_env,
-                cwd=log_dir,
-                start_new_session=True,
-            )
-
-    def stdout(self) -> str:
-        """Everything the child printed on stdout so far."""
-        with open(self.out_path, errors="replace") as f:
-            return f.read()
-
-    def stderr_tail(self, lines: int = 15) -> str:
-        """The last `lines` lines the child printed on stderr."""
-        with open(self.err_path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-
-    def wait_for_line(self, prefix: str, timeout: float) -> str:
-        """Waits until the child prints a line starting with `prefix`."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in self.stdout().splitlines():
-                if line.startswith(prefix):
-                    return line[len(prefix) :].strip()
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited with {self.proc.returncode} before "
-                    f"printing {prefix!r}:\n{self.stderr_tail()}"
-                )
-            time.sleep(0.05)
-        raise TimeoutError(
-            f"{self.name} did not print {prefix!r} within "
-            f"{timeout:g} s:\n{self.stderr_tail()}"
+        super().__init__(
+            name,
+            argv,
+            env={**os.environ, **(env or {})},
+            cwd=log_dir,
+            log_dir=log_dir,
         )
 
-    def stop(self, grace: float = 5.0) -> None:
-        """SIGTERM to the child's process group, SIGKILL after `grace` s."""
-        if self.proc.poll() is None:
-            self._signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                self._signal(signal.SIGKILL)
-                self.proc.wait(grace)
-        # The leader may be gone while members of its group are not.
-        self._signal(signal.SIGKILL)
-
-    def _signal(self, sig: int) -> None:
-        """Sends `sig` to the child's process group, if it still exists."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, sig)
+    def wait_for_line(self, prefix: str, timeout: float) -> str:
+        """Waits `timeout` s for a line starting with `prefix`; returns the
+        rest of it (`process.Child.wait_for_line` takes a deadline)."""
+        return super().wait_for_line(prefix, time.monotonic() + timeout)
 
 
 @contextlib.contextmanager
-def children() -> Iterator[list[Child]]:
-    """Yields a list to put `Child` objects in; stops them all on exit."""
-    started: list[Child] = []
+def children() -> Iterator[list[process.Child]]:
+    """Yields a list to put children in; stops them all on exit."""
+    started: list[process.Child] = []
     try:
         yield started
     finally:
-        for child in reversed(started):
-            child.stop()
-
-
-def wait_all(procs: Sequence[Child], timeout: float) -> None:
-    """Waits for every child to exit 0 within `timeout` s, else raises."""
-    deadline = time.monotonic() + timeout
-    for child in procs:
-        try:
-            code = child.proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            raise TimeoutError(
-                f"{child.name} did not finish within {timeout:g} s:\n"
-                f"{child.stderr_tail()}"
-            ) from None
-        if code != 0:
-            raise RuntimeError(
-                f"{child.name} exited with {code}:\n{child.stderr_tail()}"
-            )
+        process.stop_all(reversed(started))
 
 
 def median(values: Sequence[float]) -> float:

@@ -31,6 +31,8 @@ import subprocess
 import time
 from collections.abc import Sequence
 
+from jaxps._src import process
+
 PREFIX = "jxb-"
 SUBNET = "10.231.0"  # the /24 used only inside the namespaces
 PREFIX_LEN = 24
@@ -40,10 +42,6 @@ MAX_HOSTS = 99
 TBF_LATENCY_MS = 50  # queue of a link: 50 ms at the link rate, plus burst
 BRIDGE = "br0"
 QDISCS = ("tbf", "htb")
-
-
-#: The line a jaxps server prints once it serves.
-SERVER_READY = "jaxps-server listening on "
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -454,12 +452,12 @@ class Cluster:
 _live: set[Proc] = set()
 
 
-class Proc:
+class Proc(process.Child):
     """A child process in network namespace `ns` (None: the current one).
 
-    Its stdout and stderr go to files in `log_dir`, so that it can never
-    block on a full pipe; it runs in its own session so that `stop` reaches
-    all its threads and children.
+    Its stdout and stderr go to files in `log_dir`, in which it runs, so that
+    it can never block on a full pipe; `env` is its whole environment (see
+    `child_env`). `stop_all` stops every `Proc` not stopped yet.
     """
 
     def __init__(
@@ -470,105 +468,18 @@ class Proc:
         log_dir: str,
         env: dict[str, str] | None = None,
     ):
-        self.name = name
-        self.out_path = os.path.join(log_dir, f"{name}.out")
-        self.err_path = os.path.join(log_dir, f"{name}.err")
-        full = list(argv) if ns is None else ["ip", "netns", "exec", ns, *argv]
-        with (
-            open(self.out_path, "wb") as out,
-            open(self.err_path, "wb") as err,
-        ):
-            self.proc = subprocess.Popen(
-                full,
-                stdout=out,
-                stderr=err,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                cwd=log_dir,
-                start_new_session=True,
-            )
+        super().__init__(
+            name, argv, env=env, cwd=log_dir, netns=ns, log_dir=log_dir
+        )
         _live.add(self)
-
-    def stdout(self) -> str:
-        with open(self.out_path, errors="replace") as f:
-            return f.read()
-
-    def stderr_tail(self, lines: int = 20) -> str:
-        with open(self.err_path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-
-    def wait_for_line(self, prefix: str, deadline: float) -> str:
-        """Waits (until `deadline`, monotonic) for a line starting `prefix`;
-        returns the rest of it."""
-        while True:
-            for line in self.stdout().splitlines():
-                if line.startswith(prefix):
-                    return line[len(prefix) :].strip()
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited with {self.proc.returncode} before "
-                    f"printing {prefix!r}:\n{self.stderr_tail()}"
-                )
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{self.name} did not print {prefix!r} in time:\n"
-                    f"{self.stderr_tail()}"
-                )
-            time.sleep(0.05)
-
-    def wait(self, deadline: float) -> int:
-        """Waits for the exit until `deadline` (monotonic); returns the code."""
-        try:
-            return self.proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            raise TimeoutError(
-                f"{self.name} did not finish in time:\n{self.stderr_tail()}"
-            ) from None
 
     def stop(self, grace: float = 3.0) -> None:
         """SIGTERM to the child's process group, SIGKILL after `grace` s."""
-        if self.proc.poll() is None:
-            self._signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                self._signal(signal.SIGKILL)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(grace)
-        self._signal(signal.SIGKILL)  # members that outlived the leader
+        super().stop(grace)
         _live.discard(self)
-
-    def _signal(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, sig)
 
 
 def stop_all() -> None:
     """Stops every `Proc` not stopped yet."""
-    for proc in list(_live):
-        proc.stop()
-
-
-def wait_all(procs: Sequence[Proc], deadline: float) -> None:
-    """Waits for every child to exit 0 by `deadline` (monotonic).
-
-    Raises as soon as one exits non-zero (the first to fail is usually the
-    cause; the others would only wait for it), or at the deadline.
-    """
-    running = list(procs)
-    while running:
-        for proc in list(running):
-            code = proc.proc.poll()
-            if code is None:
-                continue
-            running.remove(proc)
-            if code != 0:
-                raise RuntimeError(
-                    f"{proc.name} exited with {code}:\n{proc.stderr_tail()}"
-                )
-        if running and time.monotonic() > deadline:
-            names = ", ".join(p.name for p in running)
-            raise TimeoutError(
-                f"{names} did not finish in time:\n{running[0].stderr_tail()}"
-            )
-        time.sleep(0.05)
+    process.stop_all(list(_live), 3.0)
+    _live.clear()

@@ -2,9 +2,9 @@
 
 Run as root from the repository root:
 
-    /work/venv/bin/python benchmarks/cluster.py [--quick] [--rate-mbit 100]
+    python benchmarks/cluster.py [--quick] [--rate-mbit 100]
         [--mb 25] [--repeats 3] [--configs "4,0;4,2;4,4"]
-    /work/venv/bin/python benchmarks/cluster.py --cleanup
+    python benchmarks/cluster.py --cleanup
 
 n worker hosts and k server hosts are network namespaces joined by veth
 links to a bridge in a hub namespace; both ends of every link are shaped to
@@ -51,7 +51,9 @@ import tempfile
 import time
 
 import _netns
-from _netns import SERVER_READY, Proc, child_env
+from _netns import Proc, child_env
+
+from jaxps._src.process import server_address, server_argv, wait_all
 
 RESULT = "RESULT "
 READY = "READY"
@@ -321,7 +323,7 @@ class Bench:
                 child_env(),
             )
             try:
-                _netns.wait_all([sink, source], time.monotonic() + 60)
+                wait_all([sink, source], time.monotonic() + 60)
             finally:
                 source.stop()
         finally:
@@ -342,25 +344,19 @@ class Bench:
         servers, workers = [], []
         try:
             for host, name in placed:
-                argv = [
-                    sys.executable,
-                    "-m",
-                    "jaxps.servers",
-                    "--host",
-                    host.ip,
-                    "--port",
-                    port,
-                    "--num-workers",
-                    str(n),
+                argv = server_argv(
+                    n,
                     "--round-timeout",
                     str(JAXPS_TIMEOUT),
-                ]
+                    host=host.ip,
+                    port=port,
+                )
                 servers.append(
                     Proc(name, host.ns, argv, self.log_dir, child_env())
                 )
             deadline = time.monotonic() + SERVER_START_TIMEOUT
             for proc in servers:
-                proc.wait_for_line(SERVER_READY, deadline)
+                server_address(proc, deadline)
             cpu = [f"{h.ip}:{port}" for h in self.cluster.servers[:k]]
             coloc = [
                 f"{h.ip}:{port}" for h in self.cluster.workers[:n] if colocated
@@ -395,7 +391,7 @@ class Bench:
                         env,
                     )
                 )
-            _netns.wait_all(workers, time.monotonic() + self.run_timeout)
+            wait_all(workers, time.monotonic() + self.run_timeout)
         finally:
             for proc in workers + servers:
                 proc.stop()
@@ -435,7 +431,7 @@ class Bench:
                         child_env(),
                     )
                 )
-            _netns.wait_all(workers, time.monotonic() + self.run_timeout)
+            wait_all(workers, time.monotonic() + self.run_timeout)
         finally:
             for proc in workers:
                 proc.stop()

@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import threading
 import time
 
 import numpy as np
 
+from jaxps._src import process
 from jaxps._src.config import Config
 from jaxps._src.runtime import Runtime
-from jaxps.servers._wire import READY_PREFIX
 
 
 def arrivals(
@@ -78,27 +77,30 @@ def arrivals(
     return done
 
 
+def _show_stderr(stream: str, text: str) -> None:
+    """Passes the server's stderr on (its stdout is only the ready line)."""
+    if stream == "stderr":
+        print(text, file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--layer-kb", type=int, default=512)
     p.add_argument("--trace-dir", default=None)
     args = p.parse_args(argv)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "jaxps.servers", "--num-workers", "1"],
-        stdout=subprocess.PIPE,
-        text=True,
+    server = process.Child(
+        "jaxps-server",
+        process.server_argv(1),
+        on_line=_show_stderr,
     )
     try:
-        line = server.stdout.readline()
-        assert line.startswith(READY_PREFIX), line
-        address = line[len(READY_PREFIX) :].strip()
+        address = process.server_address(server, time.monotonic() + 60)
         nbytes = args.layer_kb * 1024
         fifo = arrivals(address, args.layers, nbytes, False, args.trace_dir)
         prio = arrivals(address, args.layers, nbytes, True, args.trace_dir)
     finally:
-        server.terminate()
-        server.wait(10)
+        server.stop()
     print(f"{'layer':>5} {'FIFO s':>8} {'priority s':>10}")
     for layer in range(args.layers):
         print(f"{layer:>5} {fifo[layer]:>8.3f} {prio[layer]:>10.3f}")

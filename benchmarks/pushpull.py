@@ -2,7 +2,7 @@
 
 Run from the repository root:
 
-    /work/venv/bin/python benchmarks/pushpull.py [--sizes-mb 4,64,256]
+    python benchmarks/pushpull.py [--sizes-mb 4,64,256]
 
 Two worker processes sum one float32 array per size with each backend, all
 on 127.0.0.1 and in the same run:
@@ -31,7 +31,6 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -41,6 +40,8 @@ import _common
 import numpy as np
 from _common import LOOPBACK, MB, Child, log
 
+from jaxps._src import process
+
 BACKENDS = ("jaxps", "jax", "torch", "tcp")
 COLUMNS = {
     "jaxps": "jaxps",
@@ -49,7 +50,6 @@ COLUMNS = {
     "tcp": "tcp",
 }
 RESULT_PREFIX = "RESULT "
-SERVER_READY = "jaxps-server listening on "
 TORCH_SKIPPED = "skipped (pip install torch==2.13.0)"
 NUM_WORKERS = 2
 NUM_SERVERS = 2
@@ -396,7 +396,7 @@ def run_backend(args, backend: str, log_dir: str) -> dict:
                 for c in started
             ]
             started.extend(spies)  # stopped on failure too
-        _common.wait_all(workers, args.timeout)
+        process.wait_all(workers, time.monotonic() + args.timeout)
         results = collect(workers)
         if spies:
             stop_profiled(started, spies)
@@ -415,21 +415,14 @@ def start_servers(args, log_dir: str, started: list[Child]) -> list[str]:
     """Starts the jaxps servers; returns their addresses once listening."""
     servers = []
     for i in range(NUM_SERVERS):
-        argv = [
-            sys.executable,
-            "-m",
-            "jaxps.servers",
-            "--port",
-            "0",
-            "--num-workers",
-            str(NUM_WORKERS),
-        ]
+        argv = process.server_argv(NUM_WORKERS, port=0)
         if args.engine_threads:
             argv += ["--engine-threads", str(args.engine_threads)]
         child = Child(f"jaxps-server{i}", argv, log_dir)
         started.append(child)
         servers.append(child)
-    addresses = [s.wait_for_line(SERVER_READY, 60) for s in servers]
+    deadline = time.monotonic() + 60
+    addresses = [process.server_address(s, deadline) for s in servers]
     for address in addresses:
         assert address.startswith(LOOPBACK + ":"), address
     return addresses
@@ -472,8 +465,8 @@ def stop_profiled(started: list[Child], spies: list[Child]) -> None:
             child.stop()
     for spy in spies:
         try:
-            spy.proc.wait(30)
-        except subprocess.TimeoutExpired:
+            spy.wait(time.monotonic() + 30)
+        except TimeoutError:
             log(f"{spy.name} did not finish; its profile may be missing")
         spy.stop()
 

@@ -49,12 +49,13 @@ import platform
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 from _common import format_table, load_average, log
+
+from jaxps._src.process import Child, server_address, server_argv, wait_all
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(os.path.dirname(HERE), "examples")
@@ -262,42 +263,6 @@ def child(args: argparse.Namespace) -> None:
 # Driver side.
 
 
-def launch(
-    cmd: list[str], env: dict[str, str], cwd: str, timeout: float
-) -> tuple[int | None, str, str]:
-    """Runs the launcher; returns (code or None on timeout, stdout, stderr).
-
-    On timeout (or if this script is stopped) the launcher gets SIGTERM,
-    which makes it stop all of its servers and workers, then SIGKILL.
-    """
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        cwd=cwd,
-        text=True,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return proc.returncode, out, err
-    except subprocess.TimeoutExpired:
-        return None, *stop(proc)
-    finally:
-        if proc.poll() is None:
-            stop(proc)
-
-
-def stop(proc: subprocess.Popen) -> tuple[str, str]:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.communicate(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.communicate()
-
-
 def timed_events(events: list[dict], steps: int) -> tuple[list[dict], int]:
     """The trace events of the last `steps` steps; and all push_pulls.
 
@@ -363,12 +328,23 @@ def run_launcher(args, label, workers, servers, child_argv, env, tmp) -> str:
         "--",
         *child_argv,
     ]
-    code, out, err = launch(cmd, dict(os.environ, **env), tmp, args.run_timeout)
+    # On timeout (or if this script is stopped) the launcher gets SIGTERM,
+    # which makes it stop all of its servers and workers, then SIGKILL.
+    launcher = Child(
+        "launcher", cmd, env={**os.environ, **env}, cwd=tmp, log_dir=tmp
+    )
+    try:
+        code = launcher.wait(time.monotonic() + args.run_timeout)
+    except TimeoutError:
+        code = None
+    finally:
+        launcher.stop(grace=20)
     if code != 0:
         why = "timed out" if code is None else f"exited {code}"
-        tail = "\n".join(err.splitlines()[-15:])
-        raise RuntimeError(f"{label}: launcher {why}:\n{tail}")
-    return out
+        raise RuntimeError(
+            f"{label}: launcher {why}:\n{launcher.stderr_tail(15)}"
+        )
+    return launcher.stdout()
 
 
 def run_on_cluster(args, label, workers, servers, child_argv, env, tmp) -> str:
@@ -382,25 +358,19 @@ def run_on_cluster(args, label, workers, servers, child_argv, env, tmp) -> str:
     procs: list = []
     try:
         for host in cluster.servers[:servers]:
-            argv = [
-                sys.executable,
-                "-m",
-                "jaxps.servers",
-                "--host",
-                host.ip,
-                "--port",
-                str(args.port),
-                "--num-workers",
-                str(workers),
+            argv = server_argv(
+                workers,
                 "--round-timeout",
                 str(args.jaxps_timeout),
-            ]
+                host=host.ip,
+                port=args.port,
+            )
             procs.append(
                 _netns.Proc(f"server-{host.role}", host.ns, argv, tmp, base)
             )
         deadline = time.monotonic() + 60
         for proc in procs:
-            proc.wait_for_line(_netns.SERVER_READY, deadline)
+            server_address(proc, deadline)
         addresses = ",".join(
             f"{h.ip}:{args.port}" for h in cluster.servers[:servers]
         )
@@ -420,7 +390,7 @@ def run_on_cluster(args, label, workers, servers, child_argv, env, tmp) -> str:
             )
         procs += ranks
         try:
-            _netns.wait_all(ranks, time.monotonic() + args.run_timeout)
+            wait_all(ranks, time.monotonic() + args.run_timeout)
         except RuntimeError as err:
             raise RuntimeError(f"{label}: {err}") from None
         return "\n".join(proc.stdout() for proc in ranks)
@@ -631,7 +601,7 @@ def main(argv=None) -> int:
     if args.child:
         child(args)
         return 0
-    # A SIGTERM becomes SystemExit, so that `launch` stops the launcher.
+    # A SIGTERM becomes SystemExit, so that `run_launcher` stops the launcher.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with contextlib.ExitStack() as stack:
         args.cache_dir = None

@@ -4,7 +4,6 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
-import sys  # noqa: E402
 import time  # noqa: E402
 
 import pytest  # noqa: E402
@@ -25,16 +24,7 @@ class ServerProcess:
     def __init__(self, num_workers: int, *extra: str):
         self.child = process.Child(
             "jaxps-server",
-            [
-                sys.executable,
-                "-m",
-                "jaxps.servers",
-                "--port",
-                "0",
-                "--num-workers",
-                str(num_workers),
-                *extra,
-            ],
+            process.server_argv(num_workers, *extra, port=0),
         )
         self.proc = self.child.proc
         try:

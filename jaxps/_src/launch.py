@@ -433,16 +433,8 @@ class Launcher:
 
     def _server_argv(self) -> list[str]:
         c = self.config
-        return [
-            sys.executable,
-            "-m",
-            "jaxps.servers",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--num-workers",
-            str(c.workers),
+        return process.server_argv(
+            c.workers,
             "--round-timeout",
             str(c.timeout),
             "--job-id",
@@ -453,7 +445,9 @@ class Launcher:
                 else ("--engine-threads", str(c.engine_threads))
             ),
             *c.server_flags,
-        ]
+            host="127.0.0.1",
+            port=0,
+        )
 
     def _start_servers(self) -> list[str]:
         """Starts every server, then waits for all of their addresses."""

@@ -30,6 +30,7 @@ import re
 import select
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -490,6 +491,28 @@ def wait_all(children: Sequence[Child], deadline: float) -> None:
                 f"{names} did not finish in time:\n{running[0].stderr_tail()}"
             )
         time.sleep(_TICK)
+
+
+def server_argv(
+    num_workers: int,
+    *flags: str,
+    host: str | None = None,
+    port: int | str | None = None,
+) -> list[str]:
+    """The command line of a jaxps server (``python -m jaxps.servers``).
+
+    Args:
+      num_workers: ``--num-workers``.
+      flags: more ``jaxps-server`` flags.
+      host: ``--host`` (None: the server's default, 127.0.0.1).
+      port: ``--port`` (None: the server's default, a free port).
+    """
+    argv = [sys.executable, "-m", "jaxps.servers"]
+    if host is not None:
+        argv += ["--host", host]
+    if port is not None:
+        argv += ["--port", str(port)]
+    return argv + ["--num-workers", str(num_workers), *flags]
 
 
 def server_address(

@@ -20,15 +20,6 @@ def _script(code: str) -> list[str]:
     return [PY, "-c", textwrap.dedent(code)]
 
 
-def _running(pid: int) -> bool:
-    """Whether `pid` exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rpartition(")")[2].split()[0] != "Z"
-
-
 def _split(data: bytes, size: int) -> list[str]:
     split, lines = process.LineSplitter(), []
     for i in range(0, len(data), size):
@@ -185,16 +176,16 @@ def test_stop_reaches_the_group_and_kills_after_the_grace(tmp_path):
         "c", _script(code), cwd=str(tmp_path), log_dir=str(tmp_path)
     )
     child.wait_for_line("up", time.monotonic() + 30)
-    grandchild = int((tmp_path / "grandchild").read_text())
+    assert (tmp_path / "grandchild").exists()
     start = time.monotonic()
     child.stop(grace=0.5)
     took = time.monotonic() - start
     assert 0.5 <= took < 5, took
     assert child.returncode == -signal.SIGKILL
     deadline = time.monotonic() + 5
-    while _running(grandchild) and time.monotonic() < deadline:
+    while child.group_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _running(grandchild)
+    assert not child.group_alive()  # the grandchild is gone too
     child.stop()  # a second stop does nothing
 
 
