@@ -1,6 +1,6 @@
 """End-to-end run of the emulated-cluster benchmark in its --quick form.
 
-    /work/venv/bin/python -m pytest tests/test_cluster_bench.py -m slow
+    python -m pytest tests/test_cluster_bench.py -m slow
 
 Needs root and ``ip netns``; skipped otherwise. The benchmark builds network
 namespaces named ``jxb-<pid>-*`` and must delete all of them.
