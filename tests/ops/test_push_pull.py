@@ -21,6 +21,7 @@ ALL = [
     "broadcast",
     "optimizer_equivalence",
     "accumulation",
+    "compression",
     "sync_gradients",
     "sync_gradients_accumulation",
     "flax",
