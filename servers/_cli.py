@@ -61,6 +61,14 @@ def _parser() -> argparse.ArgumentParser:
         help="sum in rank order for bitwise reproducible sums",
     )
     p.add_argument(
+        "--no-data-channel",
+        dest="data_channel",
+        action="store_false",
+        help="do not offer the data channel (plain TCP on a second, free "
+        "port for bulk payloads); workers then send payloads in gRPC "
+        "messages",
+    )
+    p.add_argument(
         "--max-message-bytes",
         type=int,
         default=d.max_message_bytes,
@@ -140,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         deterministic=args.deterministic,
         async_mode=args.async_mode,
         max_message_bytes=args.max_message_bytes,
+        data_channel=args.data_channel,
         token=args.token,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,

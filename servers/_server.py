@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from . import _auth, _metrics, _service, _summation, _wire
+from . import _auth, _data, _metrics, _service, _summation, _wire
 
 log = logging.getLogger("jaxps.server")
 
@@ -39,6 +39,9 @@ class ServerOptions:
       metrics_port: serve Prometheus metrics on this port (None: off).
       status_interval: print a one-line status every so many seconds
         (None: off).
+      data_channel: offer workers the data channel (plain TCP for bulk
+        payloads, `_data`); never with TLS, whose workers keep payloads in
+        the gRPC messages.
     """
 
     host: str = "127.0.0.1"
@@ -57,6 +60,7 @@ class ServerOptions:
     tls_client_ca: str | None = None
     metrics_port: int | None = None
     status_interval: float | None = None
+    data_channel: bool = True
 
 
 class Server:
@@ -108,6 +112,8 @@ class Server:
             self._metrics.shutdown()
         grace = self.options.grace if grace is None else grace
         await self.grpc_server.stop(grace)
+        if self.servicer.data is not None:
+            self.servicer.data.close()
         self.summation.close()
 
     async def _print_status(self, interval: float) -> None:
@@ -159,6 +165,16 @@ def create_server(opts: ServerOptions) -> Server:
         raise OSError(f"jaxps-server cannot bind {address}: {err}") from err
     if port == 0:
         raise OSError(f"jaxps-server cannot bind {address}: address in use?")
+    if opts.data_channel and not opts.tls_cert:
+        servicer.data = _data.DataChannel(
+            summation,
+            opts.host,
+            asyncio.get_running_loop(),
+            token=opts.token,
+            max_payload_bytes=opts.max_message_bytes,
+        )
+    elif opts.data_channel:
+        log.info("TLS is on: no data channel, payloads go in gRPC messages")
     return Server(server, servicer, health, port, opts)
 
 

@@ -57,8 +57,10 @@ class SummationServicer:
       summation: the gRPC-free core the RPCs call.
     """
 
-    def __init__(self, summation: Summation):
+    def __init__(self, summation: Summation, data=None):
         self.summation = summation
+        #: the data channel (`_data.DataChannel`) offered in Hello, or None
+        self.data = data
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The service's method handlers; requests arrive undecoded."""
@@ -102,13 +104,17 @@ class SummationServicer:
             core.hello(request, request.num_workers)
         except _wire.Rejected as err:
             await self._abort(context, err)
-        return pb.HelloReply(
+        reply = pb.HelloReply(
             version=_wire.PROTOCOL_VERSION,
             incarnation=core.incarnation,
             num_workers=core.num_workers,
             job_id=core.job_id,
             async_mode=core.async_mode,
         )
+        if self.data is not None:
+            reply.data_port = self.data.port
+            reply.data_nonce = self.data.offer(request.rank, core.job_id)
+        return reply
 
     async def Push(self, request: bytes, context):
         try:

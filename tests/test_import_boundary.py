@@ -5,6 +5,11 @@ import sys
 
 SERVER_ONLY = (
     "jaxps.servers._service",
+    "jaxps.servers._summation",
+    "jaxps.servers._data",
+    "jaxps.servers._engine",
+    "jaxps.servers._round",
+    "jaxps.servers._kernels",
     "jaxps.servers._store",
     "jaxps.servers._async_store",
     "jaxps.servers._metrics",

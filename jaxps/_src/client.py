@@ -112,6 +112,8 @@ class ServerClient:
         self._header: pb.Header | None = None
         self.incarnation: str | None = None
         self.async_mode = False
+        self.data_port = 0
+        self.data_nonce = b""
 
     def close(self) -> None:
         self._channel.close()
@@ -144,6 +146,9 @@ class ServerClient:
             raise self.translate(err, "hello") from None
         self.incarnation = reply.incarnation
         self.async_mode = reply.async_mode
+        #: the data channel's port (0: not offered) and one-time nonce
+        self.data_port = reply.data_port
+        self.data_nonce = reply.data_nonce
         self._header = pb.Header(
             version=_wire.PROTOCOL_VERSION, job_id=job_id, rank=rank
         )

@@ -12,6 +12,7 @@ into the output, and the push_pull's `Handle` hears when all are back.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -22,12 +23,16 @@ from jaxps._src import errors, plan, shm, topology
 from jaxps._src import timeline as _timeline
 from jaxps._src.client import ServerClient, channel_credentials
 from jaxps._src.config import Config
+from jaxps._src.datachannel import DataConnection
 from jaxps._src.sender import Sender
 from jaxps._src.transport import Chunk, Transport, fingerprint, pull_deadline
 from jaxps._src.transport_grpc import GrpcTransport
 from jaxps._src.transport_shm import ShmTransport
+from jaxps._src.transport_tcp import TcpTransport
 from jaxps.servers import _wire
 from jaxps.servers import jaxps_pb2 as pb
+
+log = logging.getLogger("jaxps")
 
 __all__ = [
     "ASYNC_NAMES",
@@ -370,22 +375,41 @@ def make_transport(
 ) -> Transport:
     """The transport for one server client (after its hello).
 
-    Shared memory (`ShmTransport`) for a server on a loopback address,
-    unless ``config.shm_bytes`` is 0 or ``config.transport`` asks for
-    another; its chunks still go in gRPC messages past ``shm_bytes`` or
-    where the server cannot map the segments (found at the first Attach).
-    Else payloads in the gRPC messages (`GrpcTransport`).
+    - ``"auto"`` and ``"shm"``: shared memory (`ShmTransport`) for a server
+      on a loopback address, unless ``config.shm_bytes`` is 0; its chunks
+      still go in gRPC messages past ``shm_bytes`` or where the server
+      cannot map the segments (found at the first Attach).
+    - ``"auto"`` (other servers) and ``"tcp"`` (every server): the data
+      channel (`TcpTransport`) where the server offers one.
+    - Else, and for ``"grpc"``: payloads in the gRPC messages
+      (`GrpcTransport`).
     """
-    if (
-        config.transport in ("auto", "shm")
-        and config.shm_bytes > 0
-        and shm.is_local(client.address)
-    ):
+    transport = config.transport
+    local = shm.is_local(client.address)
+    if transport in ("auto", "shm") and config.shm_bytes > 0 and local:
         pool = shm.SlotPool(
             client.attach, config.partition_bytes, config.shm_bytes
         )
         if pool.enabled:
             return ShmTransport(client, pool, timeline)
+    if transport == "tcp" or (transport == "auto" and not local):
+        if client.data_port:
+            connection = DataConnection(
+                client.address,
+                client.data_port,
+                client.data_nonce,
+                rank=config.worker_rank,
+                job_id=config.job_id,
+                token=config.token,
+                incarnation=client.incarnation,
+                timeout=config.timeout,
+            )
+            return TcpTransport(client, connection, timeline)
+        log.info(
+            "jaxps: server %s offers no data channel; payloads go in gRPC "
+            "messages",
+            client.address,
+        )
     return GrpcTransport(client, timeline)
 
 

@@ -192,7 +192,8 @@ class Transport(abc.ABC):
                     f"{dest.size}."
                 )
             if chunk.divisor is None:
-                dest[...] = data
+                if data is not dest:  # (the data channel receives in dest)
+                    dest[...] = data
             else:
                 np.divide(data, chunk.divisor, out=dest)
         except BaseException as err:  # noqa: BLE001 - reported to the waiter

@@ -50,12 +50,20 @@ DTYPES = _wire.DTYPES
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "n,k,shm_bytes",
-    [(1, 1, None), (2, 2, None), (4, 3, None), (2, 1, 0), (4, 2, 0)],
-    ids=["1-1", "2-2", "4-3", "2-1-grpc", "4-2-grpc"],
+    "n,k,transport",
+    [
+        (1, 1, None),
+        (2, 2, None),
+        (4, 3, None),
+        (2, 1, "grpc"),
+        (4, 2, "grpc"),
+        (2, 1, "tcp"),
+        (4, 2, "tcp"),
+    ],
+    ids=["1-1", "2-2", "4-3", "2-1-grpc", "4-2-grpc", "2-1-tcp", "4-2-tcp"],
 )
 def test_sums_equal_numpy_for_all_dtypes_and_sizes(
-    start_servers, n, k, shm_bytes
+    start_servers, n, k, transport
 ):
     # servers on 127.0.0.1 get payloads through shared memory unless
     # shm_bytes=0, which sends them in the gRPC messages
@@ -73,7 +81,7 @@ def test_sums_equal_numpy_for_all_dtypes_and_sizes(
         return out
 
     results = run_workers(
-        n, servers, fn, partition_bytes=SMALL, shm_bytes=shm_bytes
+        n, servers, fn, partition_bytes=SMALL, transport=transport
     )
     for dtype in DTYPES:
         for size in sizes:

@@ -1,0 +1,345 @@
+"""The worker's end of a data channel: chunks on plain TCP to one server.
+
+A `DataConnection` is opened with the port and nonce of the server's
+HelloReply. `push_pull` sends a chunk's header, name and payload with one
+``sendmsg`` straight from the source array; a reader thread takes the
+server's answers: an acknowledgement (the push is accepted: credit goes
+back) and later the sum, received with one ``recv_into`` straight into the
+chunk's output array. A watchdog fails every request whose deadline passed
+and shuts a connection down when it stopped answering, so nothing waits
+forever.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from jaxps._src import errors
+from jaxps.servers import _wire
+
+#: How often the watchdog looks at the deadlines.
+_TICK = 0.25
+
+_REJECTED = {
+    "INVALID_ARGUMENT",
+    "ABORTED",
+    "FAILED_PRECONDITION",
+    "PERMISSION_DENIED",
+    "UNAUTHENTICATED",
+    "RESOURCE_EXHAUSTED",
+    "OUT_OF_RANGE",
+}
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    while len(view):
+        n = sock.recv_into(view, len(view), socket.MSG_WAITALL)
+        if n == 0:
+            raise ConnectionError("the server closed the data connection")
+        view = view[n:]
+
+
+class _Request:
+    __slots__ = ("header", "dest", "on_ack", "on_done", "deadline", "acked")
+
+    def __init__(self, header, dest, on_ack, on_done, deadline):
+        self.header = header
+        self.dest = dest
+        self.on_ack = on_ack
+        self.on_done = on_done
+        self.deadline = deadline
+        self.acked = False
+
+
+class DataConnection:
+    """One TCP connection to a server's data channel.
+
+    Args:
+      address: the server's ``host:port`` (its gRPC address).
+      port: the data channel's port, from the HelloReply.
+      nonce: the one-time nonce from the same HelloReply.
+      rank: this worker's rank.
+      job_id: the job id.
+      token: the job's shared token, or None.
+      incarnation: the server's incarnation id from its HelloReply.
+      timeout: seconds to connect and to wait for any answer.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        nonce: bytes,
+        *,
+        rank: int,
+        job_id: str,
+        token: str | None,
+        incarnation: str,
+        timeout: float,
+    ):
+        self.address = address
+        host = address.rpartition(":")[0].strip("[]")
+        self.timeout = timeout
+        try:
+            self.sock = socket.create_connection((host, port), timeout)
+        except OSError as err:
+            raise errors.ServerUnavailableError(
+                f"server {address}: cannot open its data channel on port "
+                f"{port}: {err}"
+            ) from None
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._pending: dict[int, _Request] = {}
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._broken: errors.JaxpsError | None = None
+        self._heard = time.monotonic()
+        try:
+            self._handshake(nonce, rank, job_id, token, incarnation)
+        except BaseException:
+            self.sock.close()
+            raise
+        self.sock.settimeout(None)
+        self._reader = threading.Thread(
+            target=self._read_loop, name="jaxps-data-read", daemon=True
+        )
+        self._reader.start()
+        self._stop = threading.Event()
+        self._watchdog = threading.Thread(
+            target=self._watch, name="jaxps-data-watch", daemon=True
+        )
+        self._watchdog.start()
+
+    def _handshake(self, nonce, rank, job_id, token, incarnation) -> None:
+        mac = _wire.data_mac(token, nonce, rank, job_id)
+        hello = _wire.DATA_HELLO.pack(
+            _wire.DATA_MAGIC, _wire.PROTOCOL_VERSION, rank, nonce, mac
+        )
+        try:
+            self.sock.sendall(hello)
+            head = memoryview(bytearray(_wire.DATA_REPLY.size))
+            _recv_exact(self.sock, head)
+            kind, status, _, size = _wire.DATA_REPLY.unpack(head)
+            body = bytearray(min(size, _wire.DATA_MAX_TEXT))
+            _recv_exact(self.sock, memoryview(body))
+        except (OSError, ConnectionError) as err:
+            raise errors.ServerUnavailableError(
+                f"server {self.address}: data channel handshake failed: {err}"
+            ) from None
+        text = body.decode(errors="replace")
+        if kind != _wire.DATA_OK:
+            raise self._error(status, text, "data channel handshake")
+        if text != incarnation:
+            raise errors.ServerRestartedError(
+                f"server {self.address} restarted while its data channel "
+                "was opened; restart the job."
+            )
+
+    # -- requests --------------------------------------------------------
+
+    def push_pull(
+        self,
+        header,
+        source: np.ndarray,
+        checksum: int,
+        dest: np.ndarray,
+        deadline: float,
+        on_ack: Callable[[], None],
+        on_done: Callable[[BaseException | None], None],
+    ) -> None:
+        """Sends one chunk; calls `on_ack()` once the server accepted it
+        and `on_done(error or None)` once its sum is in `dest` (or it
+        failed). Raises if the connection is broken."""
+        if self._broken is not None:
+            raise self._broken
+        rid = next(self._ids) & 0xFFFFFFFF
+        name = header.name.encode()[: _wire.DATA_MAX_TEXT - 1]
+        head = _wire.DATA_REQUEST.pack(
+            _wire.DATA_OP_PUSH_PULL,
+            header.dtype,
+            len(name),
+            header.rank,
+            header.key,
+            header.round,
+            header.length,
+            checksum,
+            rid,
+            max(0.0, deadline - time.monotonic()),
+        )
+        with self._lock:
+            if self._broken is not None:
+                raise self._broken
+            self._pending[rid] = _Request(
+                header, dest, on_ack, on_done, deadline
+            )
+        body = memoryview(source.reshape(-1).view(np.uint8))
+        try:
+            with self._send_lock:
+                sent = self.sock.sendmsg((head, name, body))
+                rest = len(head) + len(name)
+                if sent < rest:
+                    self.sock.sendall((head + name)[sent:])
+                    sent = rest
+                if sent - rest < len(body):
+                    self.sock.sendall(body[sent - rest :])
+        except OSError as err:
+            self._fail_all(
+                errors.ServerUnavailableError(
+                    f"server {self.address}: data channel send failed: {err}"
+                )
+            )
+
+    # -- answers ---------------------------------------------------------
+
+    def _read_loop(self) -> None:
+        head = memoryview(bytearray(_wire.DATA_REPLY.size))
+        try:
+            while True:
+                _recv_exact(self.sock, head)
+                self._heard = time.monotonic()
+                kind, status, rid, size = _wire.DATA_REPLY.unpack(head)
+                with self._lock:
+                    req = self._pending.get(rid)
+                    if kind != _wire.DATA_ACK:
+                        self._pending.pop(rid, None)
+                if kind == _wire.DATA_ACK:
+                    if req is not None and not req.acked:
+                        req.acked = True
+                        req.on_ack()
+                elif kind == _wire.DATA_SUM:
+                    self._sum(req, size)
+                elif kind == _wire.DATA_ERROR:
+                    body = bytearray(min(size, _wire.DATA_MAX_TEXT))
+                    _recv_exact(self.sock, memoryview(body))
+                    err = self._error(
+                        status, body.decode(errors="replace"), req
+                    )
+                    if req is None:
+                        raise err  # about the connection itself
+                    self._finish(req, err)
+                else:
+                    raise errors.JaxpsError(
+                        f"server {self.address} sent an unknown data frame "
+                        f"kind {kind}"
+                    )
+        except (OSError, ConnectionError) as err:
+            if self._stop.is_set():
+                err = errors.JaxpsError("the data connection was closed")
+            self._fail_all(
+                errors.ServerUnavailableError(
+                    f"server {self.address}: data channel lost: {err}"
+                )
+                if not isinstance(err, errors.JaxpsError)
+                else err
+            )
+        except errors.JaxpsError as err:
+            self._fail_all(err)
+
+    def _sum(self, req: _Request | None, size: int) -> None:
+        if req is None or size != req.dest.nbytes:
+            # a request that already failed (deadline), or a wrong size:
+            # read the bytes off the stream
+            _recv_exact(self.sock, memoryview(bytearray(size)))
+            if req is not None:
+                self._finish(
+                    req,
+                    errors.RequestRejectedError(
+                        f"server {self.address} answered {req.header.name} "
+                        f"round {req.header.round} with {size} bytes, "
+                        f"expected {req.dest.nbytes}."
+                    ),
+                )
+            return
+        _recv_exact(self.sock, memoryview(req.dest.reshape(-1).view(np.uint8)))
+        if not req.acked:  # the sum implies the push was accepted
+            req.acked = True
+            req.on_ack()
+        self._finish(req, None)
+
+    def _finish(self, req: _Request, err: BaseException | None) -> None:
+        if err is not None and not req.acked:
+            req.acked = True
+            req.on_ack()  # give the credit back
+        req.on_done(err)
+
+    def _error(self, status: int, text: str, req) -> errors.JaxpsError:
+        code = (
+            _wire.STATUS_CODES[status]
+            if status < len(_wire.STATUS_CODES)
+            else f"status {status}"
+        )
+        where = f"server {self.address}"
+        if isinstance(req, _Request):
+            h = req.header
+            where += f" (push_pull of {h.name} round {h.round})"
+        elif isinstance(req, str):
+            where += f" ({req})"
+        if code == "DEADLINE_EXCEEDED":
+            return errors.RoundTimeoutError(f"{where}: {text}")
+        if code in _REJECTED:
+            return errors.RequestRejectedError(
+                f"{where} rejected the request ({code}): {text}"
+            )
+        if code == "UNAVAILABLE":
+            return errors.ServerUnavailableError(f"{where}: {text}")
+        return errors.JaxpsError(f"{where} failed ({code}): {text}")
+
+    def _fail_all(self, err: errors.JaxpsError) -> None:
+        with self._lock:
+            if self._broken is None:
+                self._broken = err
+            pending, self._pending = list(self._pending.values()), {}
+        for req in pending:
+            self._finish(req, err)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    # -- deadlines -------------------------------------------------------
+
+    def _watch(self) -> None:
+        while not self._stop.wait(_TICK):
+            now = time.monotonic()
+            with self._lock:
+                late = [
+                    (rid, r)
+                    for rid, r in self._pending.items()
+                    if now >= r.deadline
+                ]
+                for rid, _ in late:
+                    del self._pending[rid]
+                waiting = bool(self._pending)
+            for _, req in late:
+                self._finish(
+                    req,
+                    errors.RoundTimeoutError(
+                        f"server {self.address} (push_pull of "
+                        f"{req.header.name} round {req.header.round}): no "
+                        f"answer within the deadline ({self.timeout:g} s "
+                        "timeout); a worker or the server is stuck or gone."
+                    ),
+                )
+            if waiting and now - self._heard > 2 * self.timeout:
+                self._fail_all(
+                    errors.ServerUnavailableError(
+                        f"server {self.address}: its data channel sent "
+                        f"nothing for {now - self._heard:.0f} s"
+                    )
+                )
+            if self._broken is not None:
+                return
+
+    def close(self) -> None:
+        """Closes the connection; pending requests fail."""
+        self._stop.set()
+        self._fail_all(errors.JaxpsError("the data connection was closed"))
+        self._reader.join(timeout=5)
+        self._watchdog.join(timeout=5)
+        self.sock.close()

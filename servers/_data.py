@@ -1,0 +1,437 @@
+"""The data channel: bulk payloads on plain TCP, negotiated over gRPC.
+
+gRPC Python copies every payload several times and runs Python per message;
+plain sockets read a chunk with one ``recv_into`` straight into a buffer and
+send the sum with one ``sendmsg``, both outside the GIL. The frames are in
+`_wire` (``DATA_*``). The worker learns the port and a one-time nonce from
+its Hello over gRPC; its first frame proves the nonce, its rank and job (an
+HMAC under the job's token), and the connection is bound to that rank.
+
+Each connection has a reader thread (frames in, payloads into reused
+buffers) and a writer thread (acknowledgements and sums out). The round
+logic is the same as for gRPC pushes: the reader hands each request to the
+server's event loop, where ``core.push`` and ``core.pull`` run, so exactly
+once, windows, deadlines and error messages are those of the gRPC path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import queue
+import secrets
+import socket
+import threading
+import time
+
+import numpy as np
+
+from . import _wire
+
+log = logging.getLogger("jaxps.server")
+
+#: Seconds a nonce from a Hello stays valid.
+NONCE_TTL = 120.0
+#: Seconds a new connection has to send its hello.
+HELLO_TIMEOUT = 10.0
+#: Most payload buffers kept for reuse, in bytes, per server.
+POOL_BYTES = 512 * 1024 * 1024
+
+
+class Header:
+    """The fields of a chunk's round, as `pb.Header` has them."""
+
+    __slots__ = (
+        "version",
+        "job_id",
+        "rank",
+        "key",
+        "round",
+        "dtype",
+        "length",
+        "name",
+    )
+
+    def __init__(self, job_id, rank, key, rnd, dtype, length, name):
+        self.version = _wire.PROTOCOL_VERSION
+        self.job_id = job_id
+        self.rank = rank
+        self.key = key
+        self.round = rnd
+        self.dtype = dtype
+        self.length = length
+        self.name = name
+
+
+class _BufferPool:
+    """Payload buffers by size, reused once their round is summed."""
+
+    def __init__(self, max_bytes: int):
+        self._free: dict[int, list[bytearray]] = {}
+        self._bytes = 0
+        self._max = max_bytes
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> bytearray:
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                self._bytes -= nbytes
+                return free.pop()
+        return bytearray(nbytes)
+
+    def give(self, buf: bytearray) -> None:
+        with self._lock:
+            if self._bytes + len(buf) <= self._max:
+                self._free.setdefault(len(buf), []).append(buf)
+                self._bytes += len(buf)
+
+
+class DataChannel:
+    """Listens for data connections and serves them with `core`.
+
+    Args:
+      core: the server's gRPC-free summation core (``check_header``,
+        ``check_rank``, ``push``, ``pull``, ``incarnation``).
+      host: interface to bind (the gRPC server's).
+      loop: the event loop `core` runs on.
+      token: the job's shared token (None: the mac uses an empty key).
+      max_payload_bytes: largest accepted payload.
+    """
+
+    def __init__(
+        self,
+        core,
+        host: str,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        token: str | None,
+        max_payload_bytes: int,
+    ):
+        self.core = core
+        self.loop = loop
+        self.token = token
+        self.max_payload_bytes = max_payload_bytes
+        self.pool = _BufferPool(POOL_BYTES)
+        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        self._listener = socket.create_server(
+            (host.strip("[]"), 0), family=family, backlog=128
+        )
+        self.port = self._listener.getsockname()[1]
+        self._nonces: dict[bytes, tuple[int, str, float]] = {}
+        self._lock = threading.Lock()
+        self._connections: set[_Connection] = set()
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._accept_loop, name="jaxps-data-accept", daemon=True
+        )
+        self._thread.start()
+
+    def offer(self, rank: int, job_id: str) -> bytes:
+        """A one-time nonce for a data connection of `rank` in `job_id`."""
+        nonce = secrets.token_bytes(_wire.DATA_NONCE_BYTES)
+        now = time.monotonic()
+        with self._lock:
+            for old, (_, _, expires) in list(self._nonces.items()):
+                if expires < now:
+                    del self._nonces[old]
+            self._nonces[nonce] = (rank, job_id, now + NONCE_TTL)
+        return nonce
+
+    def _claim(self, nonce: bytes) -> tuple[int, str] | None:
+        with self._lock:
+            offer = self._nonces.pop(nonce, None)
+        if offer is None or offer[2] < time.monotonic():
+            return None
+        return offer[0], offer[1]
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, peer = self._listener.accept()
+            except OSError:
+                return  # closed
+            conn = _Connection(self, sock, peer)
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    return
+                self._connections.add(conn)
+            conn.start()
+
+    def forget(self, conn: _Connection) -> None:
+        with self._lock:
+            self._connections.discard(conn)
+
+    def close(self) -> None:
+        """Stops listening and closes every connection."""
+        with self._lock:
+            self._closed = True
+            connections = list(self._connections)
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        for conn in connections:
+            conn.close()
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fills `view` (blocking; one ``recv_into`` in the common case)."""
+    while len(view):
+        n = sock.recv_into(view, len(view), socket.MSG_WAITALL)
+        if n == 0:
+            raise ConnectionError("the peer closed the connection")
+        view = view[n:]
+
+
+def _send(sock: socket.socket, head: bytes, body) -> None:
+    """Sends `head` and `body` with as few system calls as possible."""
+    if body is None:
+        sock.sendall(head)
+        return
+    if isinstance(body, np.ndarray):  # also dtypes without a buffer format
+        body = body.reshape(-1).view(np.uint8)
+    body = memoryview(body).cast("B")
+    sent = sock.sendmsg((head, body))
+    if sent < len(head):
+        sock.sendall(memoryview(head)[sent:])
+        sent = len(head)
+    if sent - len(head) < len(body):
+        sock.sendall(body[sent - len(head) :])
+
+
+class _Connection:
+    """One worker's data connection: a reader and a writer thread."""
+
+    def __init__(self, channel: DataChannel, sock: socket.socket, peer):
+        self.channel = channel
+        self.sock = sock
+        self.peer = peer
+        self.rank = -1
+        self.job_id = ""
+        self._out: queue.SimpleQueue = queue.SimpleQueue()
+        # requests handed to the loop and not answered yet; the writer
+        # stops once the reader is done and this is 0
+        self._busy = 0
+        self._reading = True
+        self._busy_lock = threading.Lock()
+        self._reader = threading.Thread(
+            target=self._read_loop, name="jaxps-data-read", daemon=True
+        )
+        self._writer = threading.Thread(
+            target=self._write_loop, name="jaxps-data-write", daemon=True
+        )
+
+    def start(self) -> None:
+        self._reader.start()
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    # -- reading -------------------------------------------------------------
+
+    def _read_loop(self) -> None:
+        try:
+            if not self._handshake():
+                return
+            self._writer.start()
+            head = memoryview(bytearray(_wire.DATA_REQUEST.size))
+            while True:
+                _recv_exact(self.sock, head)
+                if not self._request(head):
+                    return
+        except (OSError, ConnectionError):
+            pass  # the worker went away; its rounds time out as usual
+        except Exception:  # noqa: BLE001 - never kill the server
+            log.exception("data connection from %s failed", self.peer)
+        finally:
+            with self._busy_lock:
+                self._reading = False
+                idle = self._busy == 0
+            if idle:
+                self._out.put(None)
+            self.channel.forget(self)
+            if not self._writer.is_alive():
+                self.sock.close()
+
+    def _handshake(self) -> bool:
+        self.sock.settimeout(HELLO_TIMEOUT)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        raw = memoryview(bytearray(_wire.DATA_HELLO.size))
+        _recv_exact(self.sock, raw)
+        magic, version, rank, nonce, mac = _wire.DATA_HELLO.unpack(raw)
+        error = None
+        if magic != _wire.DATA_MAGIC:
+            error = "not a jaxps data connection (bad magic)"
+        elif version != _wire.PROTOCOL_VERSION:
+            error = (
+                f"protocol version mismatch: worker speaks version "
+                f"{version}, server speaks {_wire.PROTOCOL_VERSION}"
+            )
+        else:
+            offer = self.channel._claim(nonce)
+            if offer is None or offer[0] != rank:
+                error = (
+                    f"data connection of rank {rank} names no valid nonce "
+                    "(say Hello over gRPC first; nonces are used once)"
+                )
+            else:
+                expected = _wire.data_mac(self.channel.token, nonce, *offer)
+                if not hmac.compare_digest(mac, expected):
+                    error = (
+                        "missing or wrong jaxps token on the data channel: "
+                        "set the same JAXPS_TOKEN on workers and --token "
+                        "on servers."
+                    )
+                else:
+                    self.rank, self.job_id = offer
+        self.sock.settimeout(None)
+        if error is not None:
+            code = (
+                "UNAUTHENTICATED" if "token" in error else "FAILED_PRECONDITION"
+            )
+            self._send_now(_error_frame(0, code, error))
+            return False
+        body = self.channel.core.incarnation.encode()
+        self._send_now(
+            (_wire.DATA_REPLY.pack(_wire.DATA_OK, 0, 0, len(body)), body)
+        )
+        return True
+
+    def _send_now(self, frame) -> None:
+        try:
+            _send(self.sock, *frame)
+        except OSError:
+            pass
+
+    def _request(self, head: memoryview) -> bool:
+        """Reads one request after its header; False ends the connection."""
+        (
+            op,
+            dtype,
+            name_len,
+            rank,
+            key,
+            rnd,
+            length,
+            checksum,
+            rid,
+            timeout,
+        ) = _wire.DATA_REQUEST.unpack(head)
+        if op != _wire.DATA_OP_PUSH_PULL or rank != self.rank:
+            what = (
+                f"unknown op {op}"
+                if op != _wire.DATA_OP_PUSH_PULL
+                else f"rank {rank} on the connection of rank {self.rank}"
+            )
+            self._out.put(
+                _error_frame(rid, "INVALID_ARGUMENT", f"data frame: {what}")
+            )
+            return False  # the stream cannot be trusted past this frame
+        try:
+            itemsize = _wire.code_dtype(dtype).itemsize
+        except KeyError:
+            itemsize = 1  # the store names the bad dtype; keep the stream
+        nbytes = length * itemsize
+        if nbytes > self.channel.max_payload_bytes:
+            self._out.put(
+                _error_frame(
+                    rid,
+                    "RESOURCE_EXHAUSTED",
+                    f"payload of key {key} round {rnd} is {nbytes} bytes; "
+                    f"this server takes at most "
+                    f"{self.channel.max_payload_bytes} (--max-message-bytes)",
+                )
+            )
+            return False
+        name = bytearray(name_len)
+        _recv_exact(self.sock, memoryview(name))
+        buf = self.channel.pool.take(nbytes)
+        _recv_exact(self.sock, memoryview(buf))
+        h = Header(
+            self.job_id,
+            rank,
+            key,
+            rnd,
+            dtype,
+            length,
+            name.decode(errors="replace"),
+        )
+        with self._busy_lock:
+            self._busy += 1
+        asyncio.run_coroutine_threadsafe(
+            self._serve(h, rid, buf, checksum, timeout), self.channel.loop
+        )
+        return True
+
+    async def _serve(self, h, rid: int, buf, checksum: int, timeout: float):
+        """Pushes and pulls one chunk on the event loop; its last frame is
+        queued before the writer may stop."""
+        try:
+            await self._push_pull(h, rid, buf, checksum, timeout)
+        finally:
+            with self._busy_lock:
+                self._busy -= 1
+                last = self._busy == 0 and not self._reading
+            if last:
+                self._out.put(None)
+
+    async def _push_pull(self, h, rid, buf, checksum, timeout) -> None:
+        core = self.channel.core
+        try:
+            core.check_header(h)
+            await core.push(h, memoryview(buf), checksum)
+            self._out.put(
+                (_wire.DATA_REPLY.pack(_wire.DATA_ACK, 0, rid, 0), None)
+            )
+            deadline = time.monotonic() + min(max(0.0, timeout), 3600.0)
+            total = await core.pull(h, deadline=deadline, raw=True)
+        except _wire.Rejected as err:
+            self._out.put(_error_frame(rid, err.code, err.message))
+            return
+        except Exception as err:  # noqa: BLE001 - reported to the worker
+            log.exception("data request failed")
+            self._out.put(_error_frame(rid, "INTERNAL", repr(err)))
+            return
+        # The round is summed: the store holds no view of `buf` any more.
+        self.channel.pool.give(buf)
+        self._out.put(
+            (_wire.DATA_REPLY.pack(_wire.DATA_SUM, 0, rid, total.nbytes), total)
+        )
+
+    # -- writing -------------------------------------------------------------
+
+    def _write_loop(self) -> None:
+        try:
+            while True:
+                frame = self._out.get()
+                if frame is None:
+                    return
+                _send(self.sock, *frame)
+        except OSError:
+            self.close()  # the reader sees it and ends
+        except Exception:  # noqa: BLE001 - never leave a worker waiting
+            log.exception("data connection to %s failed", self.peer)
+            self.close()
+        finally:
+            if not self._reader.is_alive():
+                self.sock.close()
+
+
+def _error_frame(rid: int, code: str, message: str):
+    body = message.encode()[: _wire.DATA_MAX_TEXT]
+    status = (
+        _wire.STATUS_CODES.index(code)
+        if code in _wire.STATUS_CODES
+        else _wire.STATUS_CODES.index("UNKNOWN")
+    )
+    return (
+        _wire.DATA_REPLY.pack(_wire.DATA_ERROR, status, rid, len(body)),
+        body,
+    )

@@ -1,0 +1,192 @@
+"""The data channel of a live server: handshake, auth and hostile frames."""
+
+import socket
+import struct
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxps.servers import _wire
+from jaxps.servers import jaxps_pb2 as pb
+
+TOKEN = "s3cret-token"
+
+
+def hello(address, rank=0, num_workers=2, token=None):
+    """Says Hello over gRPC; returns the HelloReply."""
+    metadata = ((_wire.TOKEN_KEY, token),) if token else None
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(
+            f"/{_wire.SERVICE_NAME}/Hello",
+            request_serializer=pb.HelloRequest.SerializeToString,
+            response_deserializer=pb.HelloReply.FromString,
+        )
+        return call(
+            pb.HelloRequest(
+                version=_wire.PROTOCOL_VERSION,
+                job_id="jaxps",
+                rank=rank,
+                num_workers=num_workers,
+            ),
+            timeout=10,
+            metadata=metadata,
+        )
+
+
+def recv_exact(sock, n):
+    out = bytearray()
+    while len(out) < n:
+        part = sock.recv(n - len(out))
+        if not part:
+            raise ConnectionError("closed")
+        out += part
+    return bytes(out)
+
+
+def read_frame(sock):
+    """(kind, status name, request id, body) of the next server frame."""
+    kind, status, rid, size = _wire.DATA_REPLY.unpack(
+        recv_exact(sock, _wire.DATA_REPLY.size)
+    )
+    return kind, _wire.STATUS_CODES[status], rid, recv_exact(sock, size)
+
+
+def connect(address, reply, rank=0, token=None, nonce=None, mac=None):
+    """Opens a data connection and sends its hello; returns the socket."""
+    host = address.rpartition(":")[0]
+    sock = socket.create_connection((host, reply.data_port), timeout=10)
+    nonce = reply.data_nonce if nonce is None else nonce
+    if mac is None:
+        mac = _wire.data_mac(token, nonce, rank, "jaxps")
+    sock.sendall(
+        _wire.DATA_HELLO.pack(
+            _wire.DATA_MAGIC, _wire.PROTOCOL_VERSION, rank, nonce, mac
+        )
+    )
+    return sock
+
+
+def request(rank=0, key=7, rnd=0, dtype=1, length=4, rid=1, name=b"t[0]"):
+    head = _wire.DATA_REQUEST.pack(
+        _wire.DATA_OP_PUSH_PULL,
+        dtype,
+        len(name),
+        rank,
+        key,
+        rnd,
+        length,
+        0,
+        rid,
+        5.0,
+    )
+    return head + name
+
+
+def test_server_offers_a_data_channel(start_servers):
+    (server,) = start_servers(1, 1)
+    reply = hello(server.address, num_workers=1)
+    assert reply.data_port > 0 and len(reply.data_nonce) == 16
+    with connect(server.address, reply) as sock:
+        kind, _, _, body = read_frame(sock)
+        assert kind == _wire.DATA_OK
+        assert body.decode() == reply.incarnation
+        x = np.arange(4, dtype=np.float32)
+        sock.sendall(request() + x.tobytes())
+        kinds = [read_frame(sock) for _ in range(2)]
+    assert [k[0] for k in kinds] == [_wire.DATA_ACK, _wire.DATA_SUM]
+    np.testing.assert_array_equal(np.frombuffer(kinds[1][3], np.float32), x)
+
+
+def test_nonce_is_used_once_and_bound_to_its_rank(start_servers):
+    (server,) = start_servers(1, 2)
+    reply = hello(server.address, rank=0)
+    with connect(server.address, reply, rank=1) as sock:  # not rank 1's
+        kind, status, _, body = read_frame(sock)
+    assert (kind, status) == (_wire.DATA_ERROR, "FAILED_PRECONDITION")
+    assert b"no valid nonce" in body
+    reply = hello(server.address, rank=0)
+    with connect(server.address, reply) as sock:
+        assert read_frame(sock)[0] == _wire.DATA_OK
+    with connect(server.address, reply) as sock:  # the same nonce again
+        kind, status, _, _ = read_frame(sock)
+    assert (kind, status) == (_wire.DATA_ERROR, "FAILED_PRECONDITION")
+
+
+def test_data_channel_needs_the_token(start_servers):
+    (server,) = start_servers(1, 2, "--token", TOKEN)
+    reply = hello(server.address, token=TOKEN)
+    with connect(server.address, reply, token="wrong") as sock:
+        kind, status, _, body = read_frame(sock)
+    assert (kind, status) == (_wire.DATA_ERROR, "UNAUTHENTICATED")
+    assert b"token" in body
+    reply = hello(server.address, token=TOKEN)
+    with connect(server.address, reply, token=TOKEN) as sock:
+        assert read_frame(sock)[0] == _wire.DATA_OK
+
+
+def test_oversized_payload_is_refused_before_it_is_read(start_servers):
+    (server,) = start_servers(1, 1, "--max-message-bytes", "1000000")
+    reply = hello(server.address, num_workers=1)
+    with connect(server.address, reply) as sock:
+        read_frame(sock)
+        sock.sendall(request(length=2**40))
+        kind, status, _, body = read_frame(sock)
+    assert (kind, status) == (_wire.DATA_ERROR, "RESOURCE_EXHAUSTED")
+    assert b"at most 1000000" in body
+
+
+@pytest.mark.timeout(120)
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(st.data())
+def test_server_survives_malformed_frames(module_server, data):
+    server = module_server
+    reply = hello(server.address, rank=1)
+    kind = data.draw(
+        st.sampled_from(["random", "op", "rank", "dtype", "length", "huge"])
+    )
+    key = data.draw(st.integers(100, 2**40))
+    if kind == "random":
+        frame = data.draw(st.binary(max_size=200))
+    elif kind == "op":
+        frame = (
+            bytes([data.draw(st.integers(2, 255))])
+            + request(rank=1, key=key)[1:]
+        )
+    elif kind == "rank":
+        frame = request(rank=data.draw(st.sampled_from([0, 2, 2**31])))
+    elif kind == "dtype":
+        dtype = data.draw(st.integers(7, 255))
+        frame = request(rank=1, key=key, dtype=dtype, length=1) + b"\0"
+    elif kind == "length":
+        frame = request(rank=1, key=key, length=0)
+    else:
+        frame = request(
+            rank=1, key=key, length=data.draw(st.integers(2**30, 2**63))
+        )
+    with connect(server.address, reply, rank=1) as sock:
+        assert read_frame(sock)[0] == _wire.DATA_OK
+        try:
+            sock.sendall(frame)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the server closed it already, after its answer
+        try:
+            answer = read_frame(sock)
+        except (ConnectionError, OSError, struct.error):
+            answer = None  # closed: fine for a stream it cannot parse
+    if kind in ("op", "rank", "dtype", "length", "huge"):
+        assert answer is not None and answer[0] == _wire.DATA_ERROR, answer
+        assert answer[1] in (
+            "INVALID_ARGUMENT",
+            "RESOURCE_EXHAUSTED",
+        ), answer
+    assert server.proc.poll() is None
+    # and it still serves a well-formed hello
+    assert hello(server.address, rank=0).data_port == reply.data_port
