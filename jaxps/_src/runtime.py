@@ -146,12 +146,10 @@ class Runtime:
         self._transports: list[Transport] = []
         self._sender: Sender | None = None
         addresses = config.servers + config.colocated_servers
-        if config.colocated_servers:
-            self.weights = topology.mixed_mode_weights(
-                len(config.colocated_servers), len(config.servers)
-            )
-        else:
-            self.weights = [1.0] * len(addresses)
+        # Per host NIC: P processes on one host are one server of t_opt.
+        self.weights = topology.host_weights(
+            config.servers, config.colocated_servers
+        )
         max_message = config.partition_bytes + _wire.MESSAGE_OVERHEAD
         credentials = None
         if config.tls_ca:

@@ -108,3 +108,49 @@ def _check_nk(n: int, k: int) -> None:
         raise ValueError(
             f"need n >= 1 workers and k >= 0 servers, got n={n}, k={k}."
         )
+
+
+def address_host(address: str) -> str:
+    """The host of a ``HOST:PORT`` or ``[IPV6]:PORT`` address, lowercased.
+
+    Raises:
+      ValueError: `address` has no ``:PORT``.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port:
+        raise ValueError(f"expected HOST:PORT, got address={address!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host.lower()
+
+
+def host_groups(addresses: Sequence[str]) -> list[list[int]]:
+    """Indices of `addresses` grouped by host, in order of first use."""
+    groups: dict[str, list[int]] = {}
+    for i, address in enumerate(addresses):
+        groups.setdefault(address_host(address), []).append(i)
+    return list(groups.values())
+
+
+def host_weights(
+    servers: Sequence[str], colocated: Sequence[str] = ()
+) -> list[float]:
+    """Per-process traffic weights of `servers`, then of `colocated`.
+
+    The bytes are balanced per host NIC: all server processes on one host
+    are one server of the BytePS formula, whose share is split equally
+    among them. With k distinct CPU-server hosts and n colocated servers
+    (one per worker host) the hosts take `mixed_mode_weights` (n, k);
+    without colocated servers every CPU-server host takes weight 1.
+    """
+    groups = host_groups(servers)
+    if colocated:
+        host_share = mixed_mode_weights(len(colocated), len(groups))
+        coloc = host_share[len(groups) :]
+    else:
+        host_share, coloc = [1.0] * len(groups), []
+    weights = [0.0] * len(servers)
+    for share, group in zip(host_share, groups):
+        for i in group:
+            weights[i] = share / len(group)
+    return weights + list(coloc)

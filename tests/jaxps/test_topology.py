@@ -46,3 +46,68 @@ def test_formula_edge_cases():
         w = topology.mixed_mode_weights(n, k)
         assert sum(w) == pytest.approx(1.0)
         assert sum(w[:k]) == pytest.approx(topology.cpu_server_share(n, k))
+
+
+@pytest.mark.parametrize(
+    "address, host",
+    [
+        ("cpu1:9000", "cpu1"),
+        ("CPU1.example:9000", "cpu1.example"),
+        ("10.0.0.1:1", "10.0.0.1"),
+        ("[::1]:9000", "::1"),
+        ("[fe80::1%eth0]:9001", "fe80::1%eth0"),
+    ],
+)
+def test_address_host(address, host):
+    assert topology.address_host(address) == host
+
+
+@pytest.mark.parametrize("bad", ["cpu1", "cpu1:", ":9000"])
+def test_address_host_names_the_bad_address(bad):
+    with pytest.raises(ValueError, match=f"address={bad!r}"):
+        topology.address_host(bad)
+
+
+def test_one_process_per_host_is_the_old_weighting():
+    servers = ["a:1", "b:1", "c:1"]
+    assert topology.host_weights(servers) == [1.0, 1.0, 1.0]
+    coloc = ["w0:2", "w1:2", "w2:2", "w3:2"]
+    assert topology.host_weights(servers, coloc) == pytest.approx(
+        topology.mixed_mode_weights(4, 3)
+    )
+
+
+@pytest.mark.parametrize("p", [1, 2, 4])
+def test_processes_of_a_host_split_its_share(p):
+    servers = [f"a:{9000 + i}" for i in range(p)] + ["b:9000"]
+    w = topology.host_weights(servers)
+    assert w == pytest.approx([1 / p] * p + [1.0])
+    # Bytes per host NIC stay balanced: each host gets half.
+    sizes = [1000] * 240
+    owner = topology.assign_servers(sizes, w)
+    assert sum(1 for s in owner if s < p) == 120
+
+
+def test_mixed_hosts_of_2_and_4_processes():
+    servers = ["a:1", "b:1", "a:2", "b:2", "b:3", "b:4"]
+    w = topology.host_weights(servers)
+    assert w == pytest.approx([0.5, 0.25, 0.5, 0.25, 0.25, 0.25])
+
+
+def test_mixed_mode_counts_hosts_not_processes():
+    # 2 CPU hosts of 2 processes each and 4 colocated servers: k = 2.
+    servers = ["c0:9000", "c0:9001", "c1:9000", "c1:9001"]
+    coloc = [f"w{i}:9000" for i in range(4)]
+    w = topology.host_weights(servers, coloc)
+    ref = topology.mixed_mode_weights(4, 2)
+    half = [ref[0] / 2, ref[1] / 2]
+    assert w[:4] == pytest.approx([half[0], half[0], half[1], half[1]])
+    assert w[4:] == pytest.approx(ref[2:])
+    assert sum(w) == pytest.approx(1.0)
+    assert sum(w[:4]) == pytest.approx(topology.cpu_server_share(4, 2))
+
+
+def test_ipv6_brackets_group_with_the_same_host():
+    servers = ["[::1]:9000", "[::1]:9001", "[fd00::2]:9000"]
+    assert topology.host_groups(servers) == [[0, 1], [2]]
+    assert topology.host_weights(servers) == [0.5, 0.5, 1.0]
