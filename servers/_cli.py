@@ -6,7 +6,11 @@ import argparse
 import asyncio
 import logging
 import os
+import queue
+import signal
 import sys
+import threading
+import time
 
 from . import _server
 from ._wire import READY_PREFIX
@@ -104,6 +108,19 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="print a one-line status every SECONDS",
     )
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        metavar="P",
+        help="run P server processes on ports PORT..PORT+P-1 (--port 0: P "
+        "free ports; --metrics-port M: M..M+P-1), one GIL each; each prints "
+        "its own ready line, and they stop together (default %(default)s)",
+    )
+    # Set by the --processes supervisor: end when that parent is gone.
+    p.add_argument(
+        "--parent-pid", type=int, default=None, help=argparse.SUPPRESS
+    )
     p.add_argument("--log-level", default="WARNING")
     return p
 
@@ -138,6 +155,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     if args.round_timeout <= 0:
         parser.error(f"--round-timeout must be > 0, got {args.round_timeout}")
+    if args.processes < 1:
+        parser.error(f"--processes must be >= 1, got {args.processes}")
+    for flag, base in (
+        ("--port", args.port),
+        ("--metrics-port", args.metrics_port),
+    ):
+        if base and base + args.processes - 1 > 65535:
+            parser.error(
+                f"{flag} {base} with --processes {args.processes} needs "
+                f"ports up to {base + args.processes - 1} > 65535"
+            )
+    if args.processes > 1:
+        return _supervise(sys.argv[1:] if argv is None else list(argv), args)
+    if args.parent_pid is not None:
+        _watch_parent(args.parent_pid)
     opts = _server.ServerOptions(
         host=args.host,
         port=args.port,
@@ -166,6 +198,90 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxps-server: error: {err}", file=sys.stderr)
         return 1
     return 0
+
+
+#: Seconds the supervisor gives its processes between SIGTERM and SIGKILL.
+_STOP_GRACE = 3.0
+
+
+def _supervise(argv: list[str], args: argparse.Namespace) -> int:
+    """Runs ``args.processes`` servers until a signal or one of them ends.
+
+    Each child is ``python -m jaxps.servers`` with `argv` and, after it, its
+    own ``--port`` (and ``--metrics-port``): the last of a flag wins. Ready
+    lines are copied as they are, other lines with a ``[process i]`` prefix.
+
+    Returns:
+      0 after SIGTERM, SIGINT or SIGHUP; 1 when a process ended by itself.
+    """
+    from jaxps._src import process  # stdlib only: no JAX
+
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _: events.put(("signal", signum)))
+    lock = threading.Lock()
+
+    def copier(i: int) -> process.LineCallback:
+        def on_line(stream: str, text: str) -> None:
+            if not text.startswith(READY_PREFIX):
+                text = f"[process {i}] {text}"
+            with lock:
+                try:
+                    out = sys.stdout if stream == "stdout" else sys.stderr
+                    print(text, file=out, flush=True)
+                except (OSError, ValueError):
+                    pass  # our own output is gone; keep draining
+
+        return on_line
+
+    children: list[process.Child] = []
+    try:
+        for i in range(args.processes):
+            port = args.port + i if args.port else 0
+            extra = ["--processes", "1", "--parent-pid", str(os.getpid())]
+            extra += ["--port", str(port)]
+            if args.metrics_port:
+                extra += ["--metrics-port", str(args.metrics_port + i)]
+            children.append(
+                process.Child(
+                    f"process {i} (--port {port})",
+                    [sys.executable, "-m", "jaxps.servers", *argv, *extra],
+                    on_line=copier(i),
+                    on_exit=lambda child: events.put(("exit", child)),
+                )
+            )
+    except OSError as err:
+        print(f"jaxps-server: error: {err}", file=sys.stderr)
+        process.stop_all(children, _STOP_GRACE)
+        return 1
+    try:
+        while True:
+            try:
+                kind, what = events.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if kind == "signal":
+                return 0
+            print(
+                f"jaxps-server: {what.name} ended with code "
+                f"{what.returncode}; stopping the other processes",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
+    finally:
+        process.stop_all(children, _STOP_GRACE)
+
+
+def _watch_parent(parent: int) -> None:
+    """SIGTERM to this process once `parent` is no longer its parent."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 if __name__ == "__main__":

@@ -320,20 +320,40 @@ class Child:
           StdoutClosed: it closed its stdout and still runs at `deadline`.
           TimeoutError: no such line by `deadline` (with the stderr tail).
         """
+        return Child.wait_for_lines(self, prefix, 1, deadline, check)[0]
+
+    def wait_for_lines(
+        self,
+        prefix: str,
+        count: int,
+        deadline: float,
+        check: Callable[[], None] | None = None,
+    ) -> list[str]:
+        """Waits for `count` stdout lines starting with `prefix`.
+
+        As `wait_for_line`, which is ``count=1``; returns the rest of each
+        line, stripped, in the order printed.
+        """
+        if count < 1:
+            raise ValueError(f"count must be >= 1, got count={count}")
         read = self._lines_reader()
+        found: list[str] = []
         while True:
             if check is not None:
                 check()
             left = deadline - time.monotonic()
             if left <= 0:
+                got = f" ({len(found)} of {count} lines)" if count > 1 else ""
                 raise TimeoutError(
-                    f"{self.name} did not print {prefix!r} in time:\n"
+                    f"{self.name} did not print {prefix!r} in time{got}:\n"
                     f"{self.stderr_tail()}"
                 )
             lines, ended = read(min(left, _TICK))
             for line in lines:
                 if line.startswith(prefix):
-                    return line[len(prefix) :].strip()
+                    found.append(line[len(prefix) :].strip())
+                    if len(found) == count:
+                        return found
             if ended:
                 break
         if not self._exited.wait(max(0.0, deadline - time.monotonic())):
@@ -528,10 +548,25 @@ def server_address(
     Raises:
       ChildExited, StdoutClosed, TimeoutError: as `Child.wait_for_line`.
     """
+    return server_addresses(child, 1, deadline, check)[0]
+
+
+def server_addresses(
+    child: Child,
+    count: int,
+    deadline: float,
+    check: Callable[[], None] | None = None,
+) -> list[str]:
+    """Waits for `count` ready lines of ``jaxps-server --processes count``;
+    returns their ``HOST:PORT`` in the order printed.
+
+    Raises:
+      ChildExited, StdoutClosed, TimeoutError: as `Child.wait_for_line`.
+    """
     from jaxps.servers._wire import READY_PREFIX  # the wire contract
 
     # Child's own method: a subclass may take a timeout instead.
-    return Child.wait_for_line(child, READY_PREFIX, deadline, check)
+    return Child.wait_for_lines(child, READY_PREFIX, count, deadline, check)
 
 
 def _start_thread(target: Callable[..., None], *args) -> threading.Thread:
