@@ -30,17 +30,16 @@ class GrpcTransport(Transport):
     def push_then_pull(
         self, chunk: Chunk, credit: Credit, pushed: float
     ) -> None:
-        """Pushes `chunk`, gives its credit back and starts its pull
+        """Pushes `chunk`, gives its credit back and pulls its sum
         (`pushed`: when the push began); also the fallback of the other
-        transports."""
+        transports. The sender thread waits for the pull itself (a blocking
+        call costs gRPC Python far less CPU than a future) while
+        `credit.may_block()` allows it, else the pull is a future."""
         timeout = self.timeout
         h, source = chunk.header, chunk.source
         try:
             self.client.push(
                 h, source, fingerprint(source), time.monotonic() + timeout
-            )
-            future = self.client.pull_future(
-                h, time.monotonic() + pull_deadline(timeout)
             )
         except errors.JaxpsError as err:
             chunk.handle.fail(err)
@@ -48,6 +47,24 @@ class GrpcTransport(Transport):
         finally:
             credit.release(chunk.nbytes)
         pulling = self._span("push", pushed, chunk)
+        deadline = time.monotonic() + pull_deadline(timeout)
+        if credit.may_block():
+            try:
+                self._complete(
+                    chunk,
+                    pulling,
+                    lambda: np.frombuffer(
+                        self.client.pull(h, deadline), chunk.dest.dtype
+                    ),
+                )
+            finally:
+                credit.unblock()
+            return
+        try:
+            future = self.client.pull_future(h, deadline)
+        except errors.JaxpsError as err:
+            chunk.handle.fail(err)
+            return
         future.add_done_callback(
             lambda f: self._complete(
                 chunk, pulling, lambda: self._receive(chunk, f)

@@ -155,7 +155,7 @@ def test_attach_checks_name_size_and_token(start_servers):
 
 
 @contextlib.contextmanager
-def two_workers(server, timeout=30.0):
+def two_workers(server, timeout=30.0, transport="auto"):
     """Runtimes of ranks 0 and 1 of a 2-worker job on `server`."""
     rt = [
         Runtime(
@@ -165,6 +165,7 @@ def two_workers(server, timeout=30.0):
                 worker_rank=r,
                 partition_bytes=PARTITION,
                 timeout=timeout,
+                transport=transport,
             )
         )
         for r in range(2)
@@ -257,14 +258,15 @@ def test_replayed_push_pull_is_counted_once(start_servers):
 
 
 @pytest.mark.timeout(60)
-def test_opposite_orders_do_not_deadlock(start_servers):
-    # A sender thread waits for its PushPull's round only while another
-    # sender thread stays free. Here each worker has 2 sender threads and
-    # queues six one-chunk push_pulls in the other worker's reverse order:
-    # if both threads waited, each worker would wait for chunks the other
-    # has not sent.
+@pytest.mark.parametrize("transport", ["shm", "grpc", "tcp"])
+def test_opposite_orders_do_not_deadlock(start_servers, transport):
+    # A sender thread waits for its PushPull's (or Pull's) round only while
+    # another sender thread stays free. Here each worker has 2 sender
+    # threads and queues six one-chunk push_pulls in the other worker's
+    # reverse order: if both threads waited, each worker would wait for
+    # chunks the other has not sent.
     (server,) = start_servers(1, 2)
-    with two_workers(server, timeout=5.0) as rt:
+    with two_workers(server, timeout=5.0, transport=transport) as rt:
         assert all(len(r._sender.threads) == 2 for r in rt)
         names = [f"t{i}" for i in range(6)]
         x = np.arange(1000, dtype=np.float32)
