@@ -39,6 +39,75 @@ def test_parse_errors_name_the_line(text, message):
         hostfile.parse_hostfile(text)
 
 
+def test_parse_processes():
+    hosts = hostfile.parse_hostfile(
+        "server cpu1:9100 processes=3\nserver cpu2\nworker gpu1\n"
+    )
+    assert hosts.servers == ("cpu1:9100", "cpu2:9000")
+    assert hosts.counts() == (3, 1)
+    assert hosts.addresses() == (
+        "cpu1:9100",
+        "cpu1:9101",
+        "cpu1:9102",
+        "cpu2:9000",
+    )
+
+
+def test_server_processes_is_the_default_of_lines_without_it():
+    hosts = hostfile.parse_hostfile(
+        "server a processes=1\nserver b:7000\nworker w\n", processes=2
+    )
+    assert hosts.counts() == (1, 2)
+    assert hosts.addresses() == ("a:9000", "b:7000", "b:7001")
+
+
+def test_ipv6_server_processes():
+    hosts = hostfile.parse_hostfile("server [::1]:9000 processes=2\nworker w")
+    assert hosts.addresses() == ("[::1]:9000", "[::1]:9001")
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            "server a processes=0\nworker b\n",
+            "hostfile:1: expected processes=P with P >= 1, got 'processes=0'",
+        ),
+        (
+            "server a procs=2\nworker b\n",
+            "hostfile:1: expected processes=P with P >= 1, got 'procs=2'",
+        ),
+        (
+            "server a:65535 processes=2\nworker b\n",
+            "hostfile:1: server 'a:65535' with processes=2 needs ports up "
+            "to 65536",
+        ),
+        (
+            "server a:9000 processes=2\nserver a:9001\nworker b\n",
+            r"listed twice: \['a:9001'\]",
+        ),
+        ("worker a processes=2\n", "hostfile:1: expected 'server HOST"),
+    ],
+)
+def test_processes_errors_name_the_value(text, message):
+    with pytest.raises(hostfile.HostfileError, match=message):
+        hostfile.parse_hostfile(text)
+
+
+def test_ssh_command_lines_with_processes():
+    hosts = hostfile.parse_hostfile(
+        "server cpu1:9100 processes=2\nserver cpu2\nworker gpu1\n"
+    )
+    cmds = hostfile.ssh_commands(
+        hosts, ["python", "t.py"], job_id="J", timeout=30.0, cwd="/w"
+    )
+    first, second = (shlex.split(argv[5]) for _, argv in cmds[:2])
+    assert first[first.index("--processes") + 1] == "2"
+    assert "--processes" not in second
+    env = shlex.split(cmds[2][1][5])
+    assert "JAXPS_SERVERS=cpu1:9100,cpu1:9101,cpu2:9000" in env
+
+
 def test_ssh_command_lines():
     hosts = hostfile.parse_hostfile(GOOD)
     cmds = hostfile.ssh_commands(
@@ -164,3 +233,59 @@ def test_run_through_ssh_on_this_host(tmp_path):
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("ok") == 2, out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_run_server_processes_through_ssh_on_this_host(tmp_path):
+    import socket
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text(FAKE_SSH)
+    (bin_dir / "ssh").chmod(0o755)
+    for _ in range(100):  # two consecutive free ports
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        break
+    hosts = tmp_path / "hosts"
+    hosts.write_text(
+        f"server 127.0.0.1:{port} processes=2\n"
+        "worker 127.0.0.1\nworker 127.0.0.1\n"
+    )
+    code = (
+        "import os, jaxps, numpy as np; jaxps.init(partition_bytes=4096); "
+        "y = jaxps.push_pull_numpy('x', np.full(50000, jaxps.rank() + 1.0, "
+        "np.float32), average=False); assert (y == 3).all(); "
+        "print('ok', os.environ['JAXPS_SERVERS'])"
+    )
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join(
+        [str(bin_dir), os.path.dirname(sys.executable), env["PATH"]]
+    )
+    env.pop("JAXPS_SERVERS", None)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxps._src.launch",
+            "--hostfile",
+            str(hosts),
+            "--",
+            sys.executable,
+            "-c",
+            code,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    servers = f"127.0.0.1:{port},127.0.0.1:{port + 1}"
+    assert out.stdout.count(f"ok {servers}") == 2, out.stdout

@@ -178,6 +178,100 @@ def test_push_pull_across_two_servers(tmp_path):
     assert "[worker 1] ok" in res.stdout.splitlines()
 
 
+@pytest.mark.timeout(120)
+def test_server_processes_are_all_listed_and_sum(tmp_path):
+    code = """
+        import os, jaxps, numpy as np
+        jaxps.init(partition_bytes=4096)
+        servers = os.environ["JAXPS_SERVERS"].split(",")
+        x = np.full(20_000, jaxps.rank() + 1.0, np.float32)
+        y = jaxps.push_pull_numpy("x", x, average=False)
+        assert (y == 3).all(), y
+        print("ok", len(set(servers)))
+    """
+    res = _run(
+        tmp_path,
+        "--workers",
+        "2",
+        "--servers",
+        "2",
+        "--server-processes",
+        "2",
+        "--timeout",
+        "30",
+        "--",
+        *_script(code),
+        timeout=110,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "[worker 0] ok 4" in res.stdout.splitlines()
+    assert "[worker 1] ok 4" in res.stdout.splitlines()
+    ready = [ln for ln in res.stdout.splitlines() if launch.READY_PREFIX in ln]
+    assert len(ready) == 4, res.stdout
+
+
+@pytest.mark.timeout(60)
+def test_sigint_stops_every_server_process(tmp_path):
+    cmd = _launch_argv(
+        "--workers",
+        "1",
+        "--servers",
+        "1",
+        "--server-processes",
+        "2",
+        "--",
+        *_script(_SLEEPER),
+    )
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        out, err = _Lines(proc.stdout), _Lines(proc.stderr)
+        _wait_for(lambda: "[worker 0] started 0" in out.lines, 40, "the worker")
+        children = _children(proc.pid)
+        assert len(children) == 2  # The server supervisor and the worker.
+        grandchildren = [g for c in children for g in _children(c)]
+        assert len(grandchildren) == 2  # The two server processes.
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out.join()
+    err.join()
+    pids = children + grandchildren
+    _wait_for(
+        lambda: not [p for p in pids if _running(p)], 10, "all to be gone"
+    )
+
+
+def test_dry_run_passes_server_processes(capsys):
+    rc = launch.main(
+        [
+            "--workers",
+            "1",
+            "--servers",
+            "2",
+            "--server-processes",
+            "3",
+            "--dry-run",
+            "--",
+            "true",
+        ]
+    )
+    assert rc == 0
+    lines = capsys.readouterr().out.splitlines()
+    servers = [ln for ln in lines if ln.startswith("server ")]
+    assert len(servers) == 2
+    assert all("--processes 3" in ln for ln in servers), lines
+
+
 @pytest.mark.timeout(60)
 def test_first_failure_stops_the_rest(tmp_path):
     # Rank 1 sleeps (and so does a grandchild of its); rank 0 waits until
@@ -432,6 +526,10 @@ def test_server_that_dies_while_workers_run(monkeypatch, capsys, tmp_path):
         (["--workers", "1", "--servers", "1"], "command is required"),
         (["--workers", "1", "--servers", "1", "--"], "command is required"),
         (["--servers", "1", "--", "true"], "--workers"),
+        (
+            ["-w", "1", "-s", "1", "--server-processes", "0", "--", "true"],
+            "--server-processes must be >= 1, got 0",
+        ),
         (
             [
                 "--workers",

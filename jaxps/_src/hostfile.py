@@ -90,7 +90,7 @@ def parse_hostfile(
         if len(parts) == 3:
             count = _processes(parts[2], where)
         name, sep, port = host.rpartition(":")
-        if not sep or name.endswith(":"):  # no port, or a bare IPv6 address
+        if not sep:
             name, port = host, str(DEFAULT_PORT)
         if not name or not port.isdigit() or not 0 < int(port) < 65536:
             raise HostfileError(f"{where}: bad server {host!r}")

@@ -42,7 +42,8 @@ _TICK = 0.1
 
 _USAGE = (
     "jaxps-launch [-h] (--workers N --servers K | --hostfile FILE) "
-    "[--timeout SECONDS] [--job-id ID] [--engine-threads T] [--dry-run] "
+    "[--server-processes P] [--timeout SECONDS] [--job-id ID] "
+    "[--engine-threads T] [--dry-run] "
     "[--async] [--deterministic] -- CMD [ARGS ...]"
 )
 
@@ -72,6 +73,8 @@ class LaunchConfig:
       hosts: the machines of a multi-host job (from ``--hostfile``), whose
         servers and workers are started over ssh; None runs all locally.
       dry_run: print the command lines instead of running them.
+      server_processes: processes of each local server (``jaxps-server
+        --processes``); a hostfile gives its own per server line.
     """
 
     workers: int
@@ -84,6 +87,7 @@ class LaunchConfig:
     server_flags: tuple[str, ...] = ()
     hosts: hostfile.Hosts | None = None
     dry_run: bool = False
+    server_processes: int = 1
 
 
 # ----------------------------------------------------------------------------
@@ -122,6 +126,15 @@ def _parser() -> argparse.ArgumentParser:
         "with --hostfile: its server lines)",
     )
     p.add_argument(
+        "--server-processes",
+        type=int,
+        default=1,
+        metavar="P",
+        help="processes of each server (jaxps-server --processes P), all "
+        "listed in JAXPS_SERVERS; with --hostfile: of its server lines "
+        "without processes= (default %(default)s)",
+    )
+    p.add_argument(
         "--timeout",
         type=float,
         default=None,
@@ -147,8 +160,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hostfile",
         metavar="FILE",
-        help="run on several machines over ssh: lines 'server HOST[:PORT]' "
-        "and 'worker HOST' (rank order)",
+        help="run on several machines over ssh: lines 'server HOST[:PORT] "
+        "[processes=P]' and 'worker HOST' (rank order)",
     )
     p.add_argument(
         "--dry-run",
@@ -240,6 +253,10 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     parser = _parser()
     head, tail = _split_command(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(head)
+    if args.server_processes < 1:
+        parser.error(
+            f"--server-processes must be >= 1, got {args.server_processes}"
+        )
     hosts = None
     if args.hostfile:
         if args.workers is not None or args.servers is not None:
@@ -249,7 +266,9 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
             )
         try:
             with open(args.hostfile) as f:
-                hosts = hostfile.parse_hostfile(f.read(), args.hostfile)
+                hosts = hostfile.parse_hostfile(
+                    f.read(), args.hostfile, args.server_processes
+                )
         except (OSError, hostfile.HostfileError) as err:
             parser.error(f"--hostfile: {err}")
         args.workers, args.servers = len(hosts.workers), len(hosts.servers)
@@ -283,6 +302,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         worker_env=env,
         hosts=hosts,
         dry_run=args.dry_run,
+        server_processes=args.server_processes,
     )
 
 
@@ -444,29 +464,47 @@ class Launcher:
                 if c.engine_threads is None
                 else ("--engine-threads", str(c.engine_threads))
             ),
+            *(
+                ("--processes", str(c.server_processes))
+                if c.server_processes > 1
+                else ()
+            ),
             *c.server_flags,
             host="127.0.0.1",
             port=0,
         )
 
     def _start_servers(self) -> list[str]:
-        """Starts every server, then waits for all of their addresses."""
+        """Starts every server, then waits for all of their addresses (one
+        per process)."""
+        c = self.config
         env = dict(os.environ)
-        commands = self.commands()[: self.config.servers]
+        commands = self.commands()[: c.servers]
         for label, argv in commands:
             self.servers.append(self._child(label, argv, env))
         deadline = time.monotonic() + SERVER_START_TIMEOUT
+        if c.hosts is not None:
+            counts = c.hosts.counts()
+        else:
+            counts = (c.server_processes,) * c.servers
         addresses = [
-            self._await_ready(server, deadline) for server in self.servers
+            address
+            for server, count in zip(self.servers, counts)
+            for address in self._await_ready(server, count, deadline)
         ]
-        if self.config.hosts is not None:  # as named in the hostfile
-            return list(self.config.hosts.servers)
+        if c.hosts is not None:  # as named in the hostfile
+            return list(c.hosts.addresses())
         return addresses
 
-    def _await_ready(self, server: process.Child, deadline: float) -> str:
-        """Returns the address `server` prints, or raises LaunchError."""
+    def _await_ready(
+        self, server: process.Child, count: int, deadline: float
+    ) -> list[str]:
+        """Returns the `count` addresses `server` prints, or raises
+        LaunchError."""
         try:
-            return process.server_address(server, deadline, self._check_signal)
+            return process.server_addresses(
+                server, count, deadline, self._check_signal
+            )
         except process.ChildExited:
             raise LaunchError(
                 f"{server.name} ended ({describe(server.returncode)}) before "
