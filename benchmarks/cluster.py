@@ -4,6 +4,7 @@ Run as root from the repository root:
 
     python benchmarks/cluster.py [--quick] [--rate-mbit 100]
         [--mb 25] [--repeats 3] [--configs "4,0;4,2;4,4"]
+        [--server-processes P]
     python benchmarks/cluster.py --cleanup
 
 n worker hosts and k server hosts are network namespaces joined by veth
@@ -22,7 +23,10 @@ links to a bridge in a hub namespace; both ends of every link are shaped to
 * plain PS: jaxps with the k CPU servers only, no colocated servers.
 
 jaxps mixed mode runs k CPU servers (``python -m jaxps.servers``) in the
-server namespaces and one colocated server in each worker namespace. Every
+server namespaces and one colocated server in each worker namespace. With
+``--server-processes P`` each CPU server is ``jaxps-server --processes P``
+(ports BASE..BASE+P-1, all in JAXPS_SERVERS; the plan counts the P
+processes of a namespace as one host, and so does the plan column). Every
 timed repetition starts with a barrier (a 4-byte push_pull), its time is the
 slowest worker's, and the table shows the median over ``--repeats`` after
 one warm-up. jaxps uses 96 KiB partitions (``--partition-kib``; its own
@@ -53,7 +57,7 @@ import time
 import _netns
 from _netns import Proc, child_env
 
-from jaxps._src.process import server_address, server_argv, wait_all
+from jaxps._src.process import server_addresses, server_argv, wait_all
 
 RESULT = "RESULT "
 READY = "READY"
@@ -280,11 +284,12 @@ class Bench:
             self.model_bytes / cluster.rate_bytes
         )
 
-    def next_port(self) -> int:
+    def next_port(self, count: int = 1) -> int:
+        """The first of `count` ports no run has used yet."""
         # A fresh port for every run: a dying server of the previous run can
         # never share (SO_REUSEPORT) the port of the next one.
-        self.port += 1
-        return self.port
+        self.port += count
+        return self.port - count + 1
 
     def goodput(self) -> float:
         """Mbit/s of one TCP stream w0 -> w1 (or w0 -> s0)."""
@@ -333,21 +338,25 @@ class Bench:
     def jaxps(self, n: int, k: int, colocated: bool) -> dict:
         """One jaxps run: k CPU servers (+ n colocated), n workers."""
         label = f"{'mixed' if colocated else 'plain'}-{n}-{k}"
-        port = str(self.next_port())
+        procs = self.args.server_processes
+        port = self.next_port(procs)
         placed = [
-            (h, f"{label}-server-{h.role}") for h in self.cluster.servers[:k]
+            (h, f"{label}-server-{h.role}", procs)
+            for h in self.cluster.servers[:k]
         ]
         if colocated:
             placed += [
-                (h, f"{label}-coloc-{h.role}") for h in self.cluster.workers[:n]
+                (h, f"{label}-coloc-{h.role}", 1)
+                for h in self.cluster.workers[:n]
             ]
         servers, workers = [], []
         try:
-            for host, name in placed:
+            for host, name, count in placed:
                 argv = server_argv(
                     n,
                     "--round-timeout",
                     str(JAXPS_TIMEOUT),
+                    *(("--processes", str(count)) if count > 1 else ()),
                     host=host.ip,
                     port=port,
                 )
@@ -355,9 +364,13 @@ class Bench:
                     Proc(name, host.ns, argv, self.log_dir, child_env())
                 )
             deadline = time.monotonic() + SERVER_START_TIMEOUT
-            for proc in servers:
-                server_address(proc, deadline)
-            cpu = [f"{h.ip}:{port}" for h in self.cluster.servers[:k]]
+            for proc, (_, _, count) in zip(servers, placed):
+                server_addresses(proc, count, deadline)
+            cpu = [
+                f"{h.ip}:{port + i}"
+                for h in self.cluster.servers[:k]
+                for i in range(procs)
+            ]
             coloc = [
                 f"{h.ip}:{port}" for h in self.cluster.workers[:n] if colocated
             ]
@@ -453,15 +466,20 @@ def _warn_dropped_connections(procs: list[Proc]) -> None:
 
 
 def plan_link_bytes(
-    n: int, k: int, model_bytes: int, partition: int, colocated: bool
+    n: int,
+    k: int,
+    model_bytes: int,
+    partition: int,
+    colocated: bool,
+    processes: int = 1,
 ) -> int:
-    """Bytes on the busiest link (each way) for jaxps' chunk assignment."""
+    """Bytes on the busiest host link (each way) for jaxps' chunk
+    assignment, with `processes` server processes on each CPU host."""
     from jaxps._src import plan, topology
 
-    if colocated:
-        weights = topology.mixed_mode_weights(n, k)
-    else:
-        weights = [1.0] * k
+    cpu = [f"s{j}:{BASE_PORT + i}" for j in range(k) for i in range(processes)]
+    coloc = [f"w{w}:{BASE_PORT}" for w in range(n)] if colocated else []
+    weights = topology.host_weights(cpu, coloc)  # as the workers compute
     pieces = plan.make_plan(
         ["x"],
         [model_bytes // 4],
@@ -474,9 +492,10 @@ def plan_link_bytes(
     share = [0] * len(weights)
     for piece in pieces:
         share[piece.server] += piece.length * 4
-    links = [n * share[s] for s in range(k)]  # CPU server s: n pushes in
+    # CPU host: n pushes in to each of its processes
+    links = [n * sum(share[s] for s in g) for g in topology.host_groups(cpu)]
     for w in range(n):  # worker w: its pushes out, its server's pulls out
-        local = share[k + w] if colocated else 0
+        local = share[len(cpu) + w] if colocated else 0
         links.append(model_bytes - local + (n - 1) * local)
     return max(links)
 
@@ -560,6 +579,7 @@ def print_report(args, cluster, goodput, rows, ring, cpu) -> None:
     )
     print(
         f"M = {m / 1e6:g} MB float32, partition {args.partition_bytes} B, "
+        f"{args.server_processes} process(es) per CPU server, "
         f"median of {args.repeats} after 1 warm-up; seconds\n"
     )
     header = [
@@ -576,7 +596,9 @@ def print_report(args, cluster, goodput, rows, ring, cpu) -> None:
     for (n, k), row in rows.items():
         t = statistics.median(row["mixed"]["times"])
         topt = jaxps.optimal_time(n, k, m, bandwidth)
-        bound = plan_link_bytes(n, k, m, args.partition_bytes, True)
+        bound = plan_link_bytes(
+            n, k, m, args.partition_bytes, True, args.server_processes
+        )
         r = statistics.median(ring[n]["times"]) if n in ring else None
         plain = row.get("plain")
         table.append(
@@ -702,6 +724,14 @@ def parse_args(argv):
         "jaxps' own default is 4096)",
     )
     p.add_argument(
+        "--server-processes",
+        type=int,
+        default=1,
+        metavar="P",
+        help="jaxps-server processes per CPU server host, on ports "
+        "BASE..BASE+P-1 (default %(default)s)",
+    )
+    p.add_argument(
         "--credit-kib",
         type=int,
         default=0,
@@ -777,6 +807,8 @@ def parse_args(argv):
         p.error("--mb and --rate-mbit must be > 0 and --repeats >= 1")
     if args.partition_kib < 1:
         p.error("--partition-kib must be >= 1")
+    if args.server_processes < 1:
+        p.error(f"--server-processes must be >= 1, got {args.server_processes}")
     if any("=" not in kv for kv in args.sysctl):
         p.error("--sysctl takes KEY=VALUE")
     args.elements = max(1, int(args.mb * 1e6) // 4)

@@ -38,9 +38,12 @@ def _namespaces() -> set[str]:
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_cluster_quick_run_prints_table_and_cleans_up():
+def _quick_run(*flags: str, timeout: float = 270) -> str:
+    """Runs ``cluster.py --quick *flags``; returns its stdout.
+
+    Skips without root or iproute2; fails unless it exits 0 and leaves no
+    namespace behind.
+    """
     if os.geteuid() != 0:
         pytest.skip("needs root (network namespaces)")
     if shutil.which("ip") is None or shutil.which("tc") is None:
@@ -61,7 +64,7 @@ def test_cluster_quick_run_prints_table_and_cleans_up():
         if not k.startswith("JAXPS_") and k != "XLA_FLAGS"
     }
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--quick"],
+        [sys.executable, str(SCRIPT), "--quick", *flags],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -71,7 +74,7 @@ def test_cluster_quick_run_prints_table_and_cleans_up():
     )
     own = f"jxb-{proc.pid}-"
     try:
-        out, err = proc.communicate(timeout=270)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         # SIGTERM lets the benchmark delete its namespaces; then make sure.
         os.killpg(proc.pid, signal.SIGTERM)
@@ -81,13 +84,61 @@ def test_cluster_quick_run_prints_table_and_cleans_up():
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate(timeout=10)
         _netns_module().cleanup(own)
-        pytest.fail("benchmarks/cluster.py --quick took more than 270 s")
+        pytest.fail(f"benchmarks/cluster.py --quick took more than {timeout} s")
 
     left = {ns for ns in _namespaces() if ns.startswith("jxb-")} - before
     if left:
         _netns_module().cleanup(own)
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{err[-3000:]}"
+    assert not left, f"namespaces left behind: {sorted(left)}"
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_cluster_quick_run_prints_table_and_cleans_up():
+    out = _quick_run()
     assert "| config (n,k) |" in out, out
     assert "jaxps/t_opt" in out and "| (4,2)" in out, out
     assert "goals:" in out, out
-    assert not left, f"namespaces left behind: {sorted(left)}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_cluster_quick_run_with_two_processes_per_server_host():
+    out = _quick_run("--server-processes", "2", "--no-ring", timeout=120)
+    assert "2 process(es) per CPU server" in out, out
+    (row,) = [line for line in out.splitlines() if line.startswith("| (4,2)")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    topt, bound = float(cells[2]), float(cells[4])
+    # The plan counts the 2 processes of a host as one server of t_opt.
+    assert bound <= topt * 1.1, row
+    assert cells[7] != "-", row  # the plain PS ran too
+
+
+def _cluster_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "cluster_bench_main", SCRIPT
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return module
+
+
+@pytest.mark.parametrize("n, k", [(4, 1), (4, 2), (4, 4)])
+@pytest.mark.parametrize("processes", [1, 2, 4])
+def test_plan_bound_counts_a_host_once_whatever_its_processes(n, k, processes):
+    from jaxps._src import topology
+
+    bench = _cluster_module()
+    m, partition = 25_000_000, 96 * 1024
+    bound = bench.plan_link_bytes(n, k, m, partition, True, processes)
+    topt = topology.optimal_time(n, k, m, 1.0)  # in bytes on a link
+    assert topt <= bound <= topt * 1.01
+    # Plain PS: every CPU host link carries n M / k, split over its processes.
+    plain = bench.plan_link_bytes(n, k, m, partition, False, processes)
+    assert n * m / k <= plain <= n * m / k * 1.01
