@@ -27,6 +27,7 @@ def _netns_module():
         "cluster_bench_netns", ROOT / "benchmarks" / "_netns.py"
     )
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -55,7 +56,6 @@ def _quick_run(*flags: str, timeout: float = 270) -> str:
     except (OSError, subprocess.SubprocessError) as err:
         pytest.skip(f"`ip netns` is unavailable: {err}")
 
-    before = {ns for ns in _namespaces() if ns.startswith("jxb-")}
     # As a user would run it: no JAXPS_* of the test process, no fake
     # devices from conftest's XLA_FLAGS.
     env = {
@@ -86,7 +86,8 @@ def _quick_run(*flags: str, timeout: float = 270) -> str:
         _netns_module().cleanup(own)
         pytest.fail(f"benchmarks/cluster.py --quick took more than {timeout} s")
 
-    left = {ns for ns in _namespaces() if ns.startswith("jxb-")} - before
+    # Only its own: another run of the benchmark may be going on.
+    left = {ns for ns in _namespaces() if ns.startswith(own)}
     if left:
         _netns_module().cleanup(own)
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{err[-3000:]}"
@@ -123,6 +124,7 @@ def _cluster_module():
             "cluster_bench_main", SCRIPT
         )
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
