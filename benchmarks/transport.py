@@ -72,7 +72,7 @@ def _measure(call, calls: int, server_pid: int) -> dict:
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
     while len(view):
-        n = sock.recv_into(view)
+        n = sock.recv_into(view, len(view), socket.MSG_WAITALL)
         if n == 0:
             raise ConnectionError("peer closed the connection")
         view = view[n:]

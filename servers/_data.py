@@ -263,6 +263,9 @@ class _Connection:
     def _handshake(self) -> bool:
         self.sock.settimeout(HELLO_TIMEOUT)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_SNDBUF, _wire.DATA_SNDBUF
+        )
         raw = memoryview(bytearray(_wire.DATA_HELLO.size))
         _recv_exact(self.sock, raw)
         magic, version, rank, nonce, mac = _wire.DATA_HELLO.unpack(raw)

@@ -94,6 +94,9 @@ class DataConnection:
                 f"{port}: {err}"
             ) from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.setsockopt(
+            socket.SOL_SOCKET, socket.SO_SNDBUF, _wire.DATA_SNDBUF
+        )
         self._pending: dict[int, _Request] = {}
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
