@@ -178,15 +178,6 @@ class DataChannel:
             conn.close()
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fills `view` (blocking; one ``recv_into`` in the common case)."""
-    while len(view):
-        n = sock.recv_into(view, len(view), socket.MSG_WAITALL)
-        if n == 0:
-            raise ConnectionError("the peer closed the connection")
-        view = view[n:]
-
-
 def _send(sock: socket.socket, head: bytes, body) -> None:
     """Sends `head` and `body` with as few system calls as possible."""
     if body is None:
@@ -243,7 +234,7 @@ class _Connection:
             self._writer.start()
             head = memoryview(bytearray(_wire.DATA_REQUEST.size))
             while True:
-                _recv_exact(self.sock, head)
+                _wire.recv_exact(self.sock, head)
                 if not self._request(head):
                     return
         except (OSError, ConnectionError):
@@ -267,7 +258,7 @@ class _Connection:
             socket.SOL_SOCKET, socket.SO_SNDBUF, _wire.DATA_SNDBUF
         )
         raw = memoryview(bytearray(_wire.DATA_HELLO.size))
-        _recv_exact(self.sock, raw)
+        _wire.recv_exact(self.sock, raw)
         magic, version, rank, nonce, mac = _wire.DATA_HELLO.unpack(raw)
         error = None
         if magic != _wire.DATA_MAGIC:
@@ -354,9 +345,9 @@ class _Connection:
             )
             return False
         name = bytearray(name_len)
-        _recv_exact(self.sock, memoryview(name))
+        _wire.recv_exact(self.sock, memoryview(name))
         buf = self.channel.pool.take(nbytes)
-        _recv_exact(self.sock, memoryview(buf))
+        _wire.recv_exact(self.sock, memoryview(buf))
         h = Header(
             self.job_id,
             rank,

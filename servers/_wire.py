@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import mmap
+import socket
 import struct
 import zlib
 
@@ -182,3 +183,13 @@ def data_mac(token: str | None, nonce: bytes, rank: int, job_id: str) -> bytes:
     """The mac of a data-channel hello (HMAC-SHA256)."""
     msg = nonce + struct.pack("<I", rank) + job_id.encode()
     return hmac.new((token or "").encode(), msg, hashlib.sha256).digest()
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fills `view` from a blocking socket (one ``recv_into`` in the common
+    case); raises ConnectionError if the peer closes first."""
+    while len(view):
+        n = sock.recv_into(view, len(view), socket.MSG_WAITALL)
+        if n == 0:
+            raise ConnectionError("the peer closed the data connection")
+        view = view[n:]

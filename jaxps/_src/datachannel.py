@@ -37,14 +37,6 @@ _REJECTED = {
 }
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    while len(view):
-        n = sock.recv_into(view, len(view), socket.MSG_WAITALL)
-        if n == 0:
-            raise ConnectionError("the server closed the data connection")
-        view = view[n:]
-
-
 class _Request:
     __slots__ = ("header", "dest", "on_ack", "on_done", "deadline", "acked")
 
@@ -127,10 +119,10 @@ class DataConnection:
         try:
             self.sock.sendall(hello)
             head = memoryview(bytearray(_wire.DATA_REPLY.size))
-            _recv_exact(self.sock, head)
+            _wire.recv_exact(self.sock, head)
             kind, status, _, size = _wire.DATA_REPLY.unpack(head)
             body = bytearray(min(size, _wire.DATA_MAX_TEXT))
-            _recv_exact(self.sock, memoryview(body))
+            _wire.recv_exact(self.sock, memoryview(body))
         except (OSError, ConnectionError) as err:
             raise errors.ServerUnavailableError(
                 f"server {self.address}: data channel handshake failed: {err}"
@@ -204,7 +196,7 @@ class DataConnection:
         head = memoryview(bytearray(_wire.DATA_REPLY.size))
         try:
             while True:
-                _recv_exact(self.sock, head)
+                _wire.recv_exact(self.sock, head)
                 self._heard = time.monotonic()
                 kind, status, rid, size = _wire.DATA_REPLY.unpack(head)
                 with self._lock:
@@ -219,7 +211,7 @@ class DataConnection:
                     self._sum(req, size)
                 elif kind == _wire.DATA_ERROR:
                     body = bytearray(min(size, _wire.DATA_MAX_TEXT))
-                    _recv_exact(self.sock, memoryview(body))
+                    _wire.recv_exact(self.sock, memoryview(body))
                     err = self._error(
                         status, body.decode(errors="replace"), req
                     )
@@ -248,7 +240,7 @@ class DataConnection:
         if req is None or size != req.dest.nbytes:
             # a request that already failed (deadline), or a wrong size:
             # read the bytes off the stream
-            _recv_exact(self.sock, memoryview(bytearray(size)))
+            _wire.recv_exact(self.sock, memoryview(bytearray(size)))
             if req is not None:
                 self._finish(
                     req,
@@ -259,7 +251,9 @@ class DataConnection:
                     ),
                 )
             return
-        _recv_exact(self.sock, memoryview(req.dest.reshape(-1).view(np.uint8)))
+        _wire.recv_exact(
+            self.sock, memoryview(req.dest.reshape(-1).view(np.uint8))
+        )
         if not req.acked:  # the sum implies the push was accepted
             req.acked = True
             req.on_ack()
