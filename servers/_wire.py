@@ -151,9 +151,10 @@ DATA_OK, DATA_ACK, DATA_SUM, DATA_ERROR = 0, 1, 2, 3
 DATA_NONCE_BYTES = 16
 #: SO_SNDBUF of both ends of a data connection. Autotuned buffers of many
 #: flows into one link overflow its queue (drops, retransmits): on the
-#: emulated cluster (4,4) this cap took 1 Gbit/s from 0.40 to 0.31 s and
-#: 100 Mbit/s from 2.47 to 2.29 s (benchmarks/README.md).
-DATA_SNDBUF = 512 * 1024
+#: emulated cluster (4,4) a cap of 128 KiB took 1 Gbit/s from 0.40 to
+#: 0.29 s and 100 Mbit/s from 2.47 to 2.26 s; 512 KiB gave 0.31 and 2.29,
+#: and 0.68 against 0.61 s at 400 Mbit/s (benchmarks/README.md).
+DATA_SNDBUF = 128 * 1024
 #: Longest error message or chunk name on the data channel.
 DATA_MAX_TEXT = 1 << 16
 
