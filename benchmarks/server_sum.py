@@ -2,7 +2,7 @@
 
 Run from the repository root:
 
-    /work/venv/bin/python benchmarks/server_sum.py [--model-mb 64]
+    python benchmarks/server_sum.py [--model-mb 64]
 
 The Store is driven as the server drives it, without gRPC: every round, each
 rank's ``begin_push`` of every key, the pushes run on the key's engine thread
