@@ -5,8 +5,9 @@ payload goes to the server, and the sum of all workers comes back into the
 chunk's dest. `Transport` says what every transport must guarantee and
 holds what they share: `_complete` ends a chunk the same way for all of
 them. The transports are `transport_grpc.GrpcTransport` (payloads in the
-gRPC messages) and `transport_shm.ShmTransport` (payloads in shared-memory
-slots); `runtime.make_transport` picks one per server client.
+gRPC messages), `transport_shm.ShmTransport` (payloads in shared-memory
+slots) and `transport_tcp.TcpTransport` (payloads on the server's data
+channel); `runtime.make_transport` picks one per server client.
 """
 
 from __future__ import annotations
