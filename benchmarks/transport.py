@@ -143,10 +143,12 @@ def tcp_client(args) -> dict:
     back = memoryview(bytearray(nbytes))
     head = memoryview(bytearray(_LEN.size))
 
+    def send():
+        sock.sendall(_LEN.pack(nbytes))
+        sock.sendall(out)
+
     def call():
-        sender = threading.Thread(
-            target=sock.sendall, args=(_LEN.pack(nbytes) + out,)
-        )
+        sender = threading.Thread(target=send)
         sender.start()
         _recv_exact(sock, head)
         _recv_exact(sock, back)
