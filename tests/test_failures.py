@@ -38,7 +38,7 @@ WORKER = textwrap.dedent(
 )
 
 
-def start_worker(tmp_path, servers, rank, n):
+def start_worker(tmp_path, servers, rank, n, transport="auto"):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = dict(
@@ -47,6 +47,7 @@ def start_worker(tmp_path, servers, rank, n):
         JAXPS_NUM_WORKERS=str(n),
         JAXPS_WORKER_RANK=str(rank),
         JAXPS_TIMEOUT=str(TIMEOUT),
+        JAXPS_TRANSPORT=transport,
     )
     return subprocess.Popen(
         [sys.executable, str(script)],
@@ -76,10 +77,13 @@ def wait_for_line(proc, prefix, timeout=60):
 
 
 @pytest.mark.timeout(120)
-def test_killed_worker_is_named_by_survivors(start_servers, tmp_path):
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_killed_worker_is_named_by_survivors(
+    start_servers, tmp_path, transport
+):
     n = 3
     servers = start_servers(2, n, "--round-timeout", str(TIMEOUT))
-    procs = [start_worker(tmp_path, servers, r, n) for r in range(n)]
+    procs = [start_worker(tmp_path, servers, r, n, transport) for r in range(n)]
     try:
         for p in procs:
             wait_for_line(p, "step 3")
@@ -103,7 +107,7 @@ def test_killed_worker_is_named_by_survivors(start_servers, tmp_path):
             p.stdout.close()
 
 
-def run_pair(servers, fn, timeout=TIMEOUT):
+def run_pair(servers, fn, timeout=TIMEOUT, transport="auto"):
     """Runs fn(runtime) for ranks 0 and 1 in threads; returns results."""
     results = [None, None]
 
@@ -114,6 +118,7 @@ def run_pair(servers, fn, timeout=TIMEOUT):
             worker_rank=rank,
             timeout=timeout,
             partition_bytes=1 << 20,  # 4 chunks: both servers get some
+            transport=transport,
         )
         rt = Runtime(cfg)
         try:
@@ -144,8 +149,9 @@ def loop_until_error(event):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
 @pytest.mark.parametrize("how", ["kill", "freeze"])
-def test_dead_or_frozen_server_is_named(start_servers, how):
+def test_dead_or_frozen_server_is_named(start_servers, how, transport):
     servers = start_servers(2, 2, "--round-timeout", str(TIMEOUT))
     victim = servers[1]
     running = threading.Event()
@@ -159,7 +165,9 @@ def test_dead_or_frozen_server_is_named(start_servers, how):
 
     threading.Thread(target=stop_server, daemon=True).start()
     try:
-        results = run_pair(servers, loop_until_error(running))
+        results = run_pair(
+            servers, loop_until_error(running), transport=transport
+        )
         took = time.monotonic() - stopped_at[0]
     finally:
         if how == "freeze":
@@ -173,7 +181,8 @@ def test_dead_or_frozen_server_is_named(start_servers, how):
 
 
 @pytest.mark.timeout(120)
-def test_restarted_server_fails_clearly(start_servers):
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_restarted_server_fails_clearly(start_servers, transport):
     servers = start_servers(1, 2, "--round-timeout", str(TIMEOUT))
     port = servers[0].address.rsplit(":", 1)[1]
     running = threading.Event()
@@ -189,7 +198,9 @@ def test_restarted_server_fails_clearly(start_servers):
     threading.Thread(target=restart, daemon=True).start()
     # A long timeout: the pushes' retries must outlast the new server's
     # start-up (seconds on a loaded machine) to reach it.
-    results = run_pair(servers[:], loop_until_error(running), timeout=20.0)
+    results = run_pair(
+        servers[:], loop_until_error(running), timeout=20.0, transport=transport
+    )
     for err in results:
         assert isinstance(
             err, (errors.ServerRestartedError, errors.ServerUnavailableError)

@@ -201,14 +201,13 @@ class DataConnection:
                 kind, status, rid, size = _wire.DATA_REPLY.unpack(head)
                 with self._lock:
                     req = self._pending.get(rid)
-                    if kind != _wire.DATA_ACK:
-                        self._pending.pop(rid, None)
+                # A request leaves `_pending` only once its answer is read
+                # whole: if the connection dies halfway, `_fail_all` ends it.
                 if kind == _wire.DATA_ACK:
-                    if req is not None and not req.acked:
-                        req.acked = True
-                        req.on_ack()
+                    if req is not None:
+                        self._ack(req)
                 elif kind == _wire.DATA_SUM:
-                    self._sum(req, size)
+                    self._sum(rid, req, size)
                 elif kind == _wire.DATA_ERROR:
                     body = bytearray(min(size, _wire.DATA_MAX_TEXT))
                     _wire.recv_exact(self.sock, memoryview(body))
@@ -217,7 +216,7 @@ class DataConnection:
                     )
                     if req is None:
                         raise err  # about the connection itself
-                    self._finish(req, err)
+                    self._end(rid, err)
                 else:
                     raise errors.JaxpsError(
                         f"server {self.address} sent an unknown data frame "
@@ -236,14 +235,14 @@ class DataConnection:
         except errors.JaxpsError as err:
             self._fail_all(err)
 
-    def _sum(self, req: _Request | None, size: int) -> None:
+    def _sum(self, rid: int, req: _Request | None, size: int) -> None:
         if req is None or size != req.dest.nbytes:
             # a request that already failed (deadline), or a wrong size:
             # read the bytes off the stream
             _wire.recv_exact(self.sock, memoryview(bytearray(size)))
             if req is not None:
-                self._finish(
-                    req,
+                self._end(
+                    rid,
                     errors.RequestRejectedError(
                         f"server {self.address} answered {req.header.name} "
                         f"round {req.header.round} with {size} bytes, "
@@ -254,15 +253,26 @@ class DataConnection:
         _wire.recv_exact(
             self.sock, memoryview(req.dest.reshape(-1).view(np.uint8))
         )
-        if not req.acked:  # the sum implies the push was accepted
-            req.acked = True
+        self._end(rid, None)
+
+    def _ack(self, req: _Request) -> None:
+        """Gives a request's credit back, once (the reader, the watchdog
+        and `_fail_all` may all try)."""
+        with self._lock:
+            first, req.acked = not req.acked, True
+        if first:
             req.on_ack()
-        self._finish(req, None)
+
+    def _end(self, rid: int, err: BaseException | None) -> None:
+        """Ends request `rid` if it is still pending (else the watchdog or
+        `_fail_all` ended it already)."""
+        with self._lock:
+            req = self._pending.pop(rid, None)
+        if req is not None:
+            self._finish(req, err)
 
     def _finish(self, req: _Request, err: BaseException | None) -> None:
-        if err is not None and not req.acked:
-            req.acked = True
-            req.on_ack()  # give the credit back
+        self._ack(req)  # a sum implies the push was accepted
         req.on_done(err)
 
     def _error(self, status: int, text: str, req) -> errors.JaxpsError:

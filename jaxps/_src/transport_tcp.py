@@ -46,6 +46,7 @@ class TcpTransport(GrpcTransport):
         super().__init__(client, timeline)
         self.connection = connection
         self._lock = threading.Lock()
+        self._closed = False
 
     def send(self, chunk: Chunk, credit: Credit) -> None:
         pushed = self._span("queue", chunk.queued, chunk)
@@ -88,11 +89,26 @@ class TcpTransport(GrpcTransport):
         thread of its own: this runs on the connection's reader)."""
         self._drop(self.connection, err)
         threading.Thread(
-            target=self.push_then_pull,
-            args=(chunk, _Spent(), self._span("queue", chunk.queued, chunk)),
+            target=self._resend,
+            args=(chunk, err),
             name="jaxps-data-fallback",
             daemon=True,
         ).start()
+
+    def _resend(self, chunk: Chunk, err: errors.JaxpsError) -> None:
+        if self._closed or chunk.handle.failed:
+            chunk.handle.fail(err)  # nobody waits for it any more
+            return
+        try:
+            self.push_then_pull(
+                chunk, _Spent(), self._span("queue", chunk.queued, chunk)
+            )
+        except Exception as late:  # noqa: BLE001 - e.g. the channel closed
+            chunk.handle.fail(
+                errors.ServerUnavailableError(
+                    f"{err}; sending it again over gRPC failed: {late!r}"
+                )
+            )
 
     def _drop(self, conn: DataConnection | None, err) -> None:
         with self._lock:
@@ -108,6 +124,7 @@ class TcpTransport(GrpcTransport):
         threading.Thread(target=conn.close, daemon=True).start()
 
     def close(self) -> None:
+        self._closed = True
         conn, self.connection = self.connection, None
         if conn is not None:
             conn.close()
