@@ -190,3 +190,44 @@ def test_server_survives_malformed_frames(module_server, data):
     assert server.proc.poll() is None
     # and it still serves a well-formed hello
     assert hello(server.address, rank=0).data_port == reply.data_port
+
+
+def test_workers_sum_over_the_data_channel_with_a_token(start_servers):
+    from jaxps._src.config import Config
+    from jaxps._src.runtime import Runtime
+    from jaxps._src.transport_tcp import TcpTransport
+
+    (server,) = start_servers(1, 2, "--token", TOKEN)
+    runtimes = [
+        Runtime(
+            Config(
+                servers=(server.address,),
+                num_workers=2,
+                worker_rank=r,
+                token=TOKEN,
+                transport="tcp",
+                partition_bytes=4096,
+            )
+        )
+        for r in range(2)
+    ]
+    try:
+        assert all(
+            isinstance(t, TcpTransport) and t.connection is not None
+            for rt in runtimes
+            for t in rt._transports
+        )
+        x = np.arange(10_000, dtype=np.float32)
+        handles = [
+            rt.push_pull_async(["w"], [x * (r + 1)], average=False)
+            for r, rt in enumerate(runtimes)
+        ]
+        for handle in handles:
+            np.testing.assert_array_equal(handle.wait(30)[0], 3 * x)
+        # every chunk went over the data channel, none fell back to gRPC
+        assert all(
+            t.connection is not None for rt in runtimes for t in rt._transports
+        )
+    finally:
+        for rt in runtimes:
+            rt.close()
