@@ -526,6 +526,7 @@ def test_server_that_dies_while_workers_run(monkeypatch, capsys, tmp_path):
         (["--workers", "1", "--servers", "1"], "command is required"),
         (["--workers", "1", "--servers", "1", "--"], "command is required"),
         (["--servers", "1", "--", "true"], "--workers"),
+        (["--workers", "2", "--", "true"], "--servers is required for 2"),
         (
             ["-w", "1", "-s", "1", "--server-processes", "0", "--", "true"],
             "--server-processes must be >= 1, got 0",
@@ -552,6 +553,11 @@ def test_bad_arguments(args, message, capsys):
     err = capsys.readouterr().err
     assert "jaxps-launch: error:" in err
     assert message in err
+
+
+def test_one_worker_needs_no_servers_flag():
+    config = launch.parse_args(["--workers", "1", "--", "true"])
+    assert config.servers == 0 and config.workers == 1
 
 
 @pytest.mark.timeout(30)

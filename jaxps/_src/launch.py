@@ -41,7 +41,7 @@ STOP_GRACE = process.STOP_GRACE
 _TICK = 0.1
 
 _USAGE = (
-    "jaxps-launch [-h] (--workers N --servers K | --hostfile FILE) "
+    "jaxps-launch [-h] (--workers N [--servers K] | --hostfile FILE) "
     "[--server-processes P] [--timeout SECONDS] [--job-id ID] "
     "[--engine-threads T] [--dry-run] "
     "[--async] [--deterministic] -- CMD [ARGS ...]"
@@ -122,8 +122,8 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="K",
-        help="number of summation servers (>= 0; 0 only with one worker; "
-        "with --hostfile: its server lines)",
+        help="number of summation servers (>= 0; 0 only with one worker, "
+        "the default for one worker; with --hostfile: its server lines)",
     )
     p.add_argument(
         "--server-processes",
@@ -272,9 +272,15 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         except (OSError, hostfile.HostfileError) as err:
             parser.error(f"--hostfile: {err}")
         args.workers, args.servers = len(hosts.workers), len(hosts.servers)
-    for name in ("workers", "servers"):
-        if getattr(args, name) is None:
-            parser.error(f"--{name} is required (or give --hostfile)")
+    if args.workers is None:
+        parser.error("--workers is required (or give --hostfile)")
+    if args.servers is None:
+        if args.workers > 1:
+            parser.error(
+                f"--servers is required for {args.workers} workers (or "
+                "give --hostfile)"
+            )
+        args.servers = 0  # one worker needs no summation server
     command = list(args.command)
     if tail is not None:
         command = command + ["--"] + tail if command else tail
