@@ -79,8 +79,8 @@ class TcpTransport(GrpcTransport):
                 on_ack,
                 on_done,
             )
-        except errors.ServerUnavailableError as err:
-            # never sent: the credit is still held
+        except errors.JaxpsError as err:
+            # the connection broke before: never sent, the credit is held
             self._drop(conn, err)
             self.push_then_pull(chunk, credit, pushed)
 
