@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import queue
@@ -14,6 +15,27 @@ import time
 
 from . import _server
 from ._wire import READY_PREFIX
+
+
+def auth_warning(host: str, token: str | None) -> str | None:
+    """What to warn about before listening on `host` with `token`."""
+    if token or _is_loopback(host):
+        return None
+    return (
+        f"listening on {host} without --token: anyone who can reach this "
+        "port can push into and read every sum; set --token (and "
+        "JAXPS_TOKEN on the workers)"
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -157,6 +179,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--round-timeout must be > 0, got {args.round_timeout}")
     if args.processes < 1:
         parser.error(f"--processes must be >= 1, got {args.processes}")
+    if args.token is not None and not args.token:
+        parser.error(
+            "--token (or JAXPS_TOKEN) is empty: give a secret, or leave it "
+            "unset to run without authentication"
+        )
+    warning = auth_warning(args.host, args.token)
+    if warning:
+        print(f"jaxps-server: WARNING: {warning}", file=sys.stderr, flush=True)
     for flag, base in (
         ("--port", args.port),
         ("--metrics-port", args.metrics_port),

@@ -124,6 +124,13 @@ class Config:
                 f"job_id must be a non-empty string. Got job_id="
                 f"{self.job_id!r}."
             )
+        if self.token is not None and (
+            not isinstance(self.token, str) or not self.token
+        ):
+            raise errors.ConfigError(
+                "token must be a non-empty string (or None for no "
+                f"authentication). Got token={self.token!r}."
+            )
         if bool(self.tls_cert) != bool(self.tls_key):
             raise errors.ConfigError(
                 "tls_cert and tls_key go together; got only "

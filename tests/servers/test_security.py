@@ -146,3 +146,43 @@ def test_health_service(start_servers):
                 health_pb2.HealthCheckRequest(service=service), timeout=5
             )
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_empty_token_is_refused_by_server_and_worker():
+    import subprocess
+    import sys
+
+    from jaxps import errors
+    from jaxps._src.config import Config
+
+    res = subprocess.run(
+        [sys.executable, "-m", "jaxps.servers", "--num-workers", "1"]
+        + ["--token", ""],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2 and "--token" in res.stderr, res.stderr
+    with pytest.raises(errors.ConfigError, match="token must be"):
+        Config(token="")
+
+
+@pytest.mark.parametrize(
+    "host, token, warns",
+    [
+        ("0.0.0.0", None, True),
+        ("10.1.2.3", None, True),
+        ("cpu3.example", None, True),
+        ("0.0.0.0", "s3cret", False),
+        ("127.0.0.1", None, False),
+        ("localhost", None, False),
+        ("[::1]", None, False),
+    ],
+)
+def test_non_loopback_without_token_warns(host, token, warns):
+    from jaxps.servers import _cli
+
+    warning = _cli.auth_warning(host, token)
+    assert bool(warning) == warns, warning
+    if warns:
+        assert host in warning and "--token" in warning
