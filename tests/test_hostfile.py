@@ -3,6 +3,7 @@ through a stand-in ``ssh`` that executes the remote command on this host."""
 
 import os
 import shlex
+import socket
 import subprocess
 import sys
 
@@ -185,51 +186,48 @@ exec sh -c "$last"
 """
 
 
-@pytest.mark.timeout(120)
-def test_run_through_ssh_on_this_host(tmp_path):
+def _launch_through_fake_ssh(tmp_path, hostfile_text: str, code: str):
+    """Runs ``jaxps-launch --hostfile`` with an ``ssh`` that runs every
+    command on this host; returns the finished process."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "ssh").write_text(FAKE_SSH)
     (bin_dir / "ssh").chmod(0o755)
     hosts = tmp_path / "hosts"
-    ports = []
-    import socket
-
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    hosts.write_text(
-        f"server 127.0.0.1:{ports[0]}\nserver 127.0.0.1:{ports[1]}\n"
-        "worker 127.0.0.1\nworker 127.0.0.1\n"
-    )
-    code = (
-        "import jaxps, numpy as np; jaxps.init(); "
-        "y = jaxps.push_pull_numpy('x', np.full(50000, jaxps.rank() + 1.0, "
-        "np.float32), average=False); assert (y == 3).all(); print('ok')"
-    )
+    hosts.write_text(hostfile_text)
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join(
         [str(bin_dir), os.path.dirname(sys.executable), env["PATH"]]
     )
     env.pop("JAXPS_SERVERS", None)
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jaxps._src.launch",
-            "--hostfile",
-            str(hosts),
-            "--",
-            sys.executable,
-            "-c",
-            code,
-        ],
+    return subprocess.run(
+        [sys.executable, "-m", "jaxps._src.launch", "--hostfile", str(hosts)]
+        + ["--", sys.executable, "-c", code],
         capture_output=True,
         text=True,
         timeout=100,
         env=env,
         cwd=tmp_path,
+    )
+
+
+@pytest.mark.timeout(120)
+def test_run_through_ssh_on_this_host(tmp_path):
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    code = (
+        "import jaxps, numpy as np; jaxps.init(); "
+        "y = jaxps.push_pull_numpy('x', np.full(50000, jaxps.rank() + 1.0, "
+        "np.float32), average=False); assert (y == 3).all(); print('ok')"
+    )
+    out = _launch_through_fake_ssh(
+        tmp_path,
+        f"server 127.0.0.1:{ports[0]}\nserver 127.0.0.1:{ports[1]}\n"
+        "worker 127.0.0.1\nworker 127.0.0.1\n",
+        code,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("ok") == 2, out.stdout
@@ -237,12 +235,6 @@ def test_run_through_ssh_on_this_host(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_run_server_processes_through_ssh_on_this_host(tmp_path):
-    import socket
-
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "ssh").write_text(FAKE_SSH)
-    (bin_dir / "ssh").chmod(0o755)
     for _ in range(100):  # two consecutive free ports
         with socket.socket() as a, socket.socket() as b:
             a.bind(("127.0.0.1", 0))
@@ -252,39 +244,17 @@ def test_run_server_processes_through_ssh_on_this_host(tmp_path):
             except OSError:
                 continue
         break
-    hosts = tmp_path / "hosts"
-    hosts.write_text(
-        f"server 127.0.0.1:{port} processes=2\n"
-        "worker 127.0.0.1\nworker 127.0.0.1\n"
-    )
     code = (
         "import os, jaxps, numpy as np; jaxps.init(partition_bytes=4096); "
         "y = jaxps.push_pull_numpy('x', np.full(50000, jaxps.rank() + 1.0, "
         "np.float32), average=False); assert (y == 3).all(); "
         "print('ok', os.environ['JAXPS_SERVERS'])"
     )
-    env = dict(os.environ)
-    env["PATH"] = os.pathsep.join(
-        [str(bin_dir), os.path.dirname(sys.executable), env["PATH"]]
-    )
-    env.pop("JAXPS_SERVERS", None)
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "jaxps._src.launch",
-            "--hostfile",
-            str(hosts),
-            "--",
-            sys.executable,
-            "-c",
-            code,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        env=env,
-        cwd=tmp_path,
+    out = _launch_through_fake_ssh(
+        tmp_path,
+        f"server 127.0.0.1:{port} processes=2\n"
+        "worker 127.0.0.1\nworker 127.0.0.1\n",
+        code,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     servers = f"127.0.0.1:{port},127.0.0.1:{port + 1}"
