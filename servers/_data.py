@@ -379,7 +379,6 @@ class _Connection:
     async def _push_pull(self, h, rid, buf, checksum, timeout) -> None:
         core = self.channel.core
         try:
-            core.check_header(h)
             await core.push(h, memoryview(buf), checksum)
             self._out.put(
                 (_wire.DATA_REPLY.pack(_wire.DATA_ACK, 0, rid, 0), None)

@@ -180,6 +180,21 @@ STATUS_CODES = (
 )
 
 
+#: Status codes that mean "the server refused this request" (a worker
+#: raises RequestRejectedError for them, on gRPC and the data channel).
+REJECTED_STATUSES = frozenset(
+    {
+        "INVALID_ARGUMENT",
+        "ABORTED",
+        "FAILED_PRECONDITION",
+        "PERMISSION_DENIED",
+        "UNAUTHENTICATED",
+        "RESOURCE_EXHAUSTED",
+        "OUT_OF_RANGE",
+    }
+)
+
+
 def data_mac(token: str | None, nonce: bytes, rank: int, job_id: str) -> bytes:
     """The mac of a data-channel hello (HMAC-SHA256)."""
     msg = nonce + struct.pack("<I", rank) + job_id.encode()

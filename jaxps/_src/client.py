@@ -22,15 +22,7 @@ MAX_BACKOFF = 0.5
 #: still reported within the timeout.
 RETRY_WINDOW = 10.0
 
-_REJECTED = {
-    grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.ABORTED,
-    grpc.StatusCode.FAILED_PRECONDITION,
-    grpc.StatusCode.PERMISSION_DENIED,
-    grpc.StatusCode.UNAUTHENTICATED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    grpc.StatusCode.OUT_OF_RANGE,
-}
+_REJECTED = {getattr(grpc.StatusCode, n) for n in _wire.REJECTED_STATUSES}
 
 
 def channel_credentials(

@@ -26,16 +26,6 @@ from jaxps.servers import _wire
 #: How often the watchdog looks at the deadlines.
 _TICK = 0.25
 
-_REJECTED = {
-    "INVALID_ARGUMENT",
-    "ABORTED",
-    "FAILED_PRECONDITION",
-    "PERMISSION_DENIED",
-    "UNAUTHENTICATED",
-    "RESOURCE_EXHAUSTED",
-    "OUT_OF_RANGE",
-}
-
 
 class _Request:
     __slots__ = ("header", "dest", "on_ack", "on_done", "deadline", "acked")
@@ -289,7 +279,7 @@ class DataConnection:
             where += f" ({req})"
         if code == "DEADLINE_EXCEEDED":
             return errors.RoundTimeoutError(f"{where}: {text}")
-        if code in _REJECTED:
+        if code in _wire.REJECTED_STATUSES:
             return errors.RequestRejectedError(
                 f"{where} rejected the request ({code}): {text}"
             )
