@@ -25,8 +25,12 @@ def shard_names(names: tuple[str, ...], shard: int) -> list[str]:
     return [f"{n}@{shard}" for n in names]
 
 
-def start(names, average, priorities, shard, *arrays) -> np.ndarray:
-    """Starts push_pull of `arrays`; returns a ticket for `done`."""
+def start(names, average, priorities, mode, shard, *arrays) -> np.ndarray:
+    """Starts push_pull of `arrays`; returns a ticket for `done`.
+
+    `mode` is the push_pull's (``"sync"`` or ``"async"``); the runtime
+    checks it against the servers it is connected to now.
+    """
     began = timeline.now()
     runtime = state.runtime()
     # The callback's arrays may alias device memory that is only valid during
@@ -37,6 +41,7 @@ def start(names, average, priorities, shard, *arrays) -> np.ndarray:
         copies,
         average=average,
         priorities=priorities,
+        mode=mode,
     )
     ticket = next(_next)
     with _lock:

@@ -24,19 +24,24 @@ push_pull_p = Primitive("jaxps_push_pull")
 push_pull_p.multiple_results = True
 
 
-def bind(arrays, shard, *, names, average, priorities):
-    """Binds the primitive; returns the summed (or averaged) arrays."""
+def bind(arrays, shard, *, names, average, priorities, mode="sync"):
+    """Binds the primitive; returns the summed (or averaged) arrays.
+
+    `mode` (``"sync"`` or ``"async"``, see `jaxps._src.runtime.MODES`) is a
+    static parameter: the runtime checks it against the servers' mode.
+    """
     return push_pull_p.bind(
         *arrays,
         shard,
         names=tuple(names),
         average=bool(average),
         priorities=tuple(priorities),
+        mode=str(mode),
     )
 
 
-def _abstract_eval(*avals, names, average, priorities):
-    del average, priorities
+def _abstract_eval(*avals, names, average, priorities, mode):
+    del average, priorities, mode
     *arrays, shard = avals
     if len(arrays) != len(names):
         raise ValueError(
@@ -50,22 +55,23 @@ def _abstract_eval(*avals, names, average, priorities):
     return [jax.core.ShapedArray(a.shape, a.dtype) for a in arrays]
 
 
-def _impl(*args, names, average, priorities):
+def _impl(*args, names, average, priorities, mode):
     *arrays, shard = args
     ticket = _host.start(
         names,
         average,
         priorities,
+        mode,
         np.asarray(shard),
         *[np.asarray(a) for a in arrays],
     )
     return [jnp.asarray(o) for o in _host.done(ticket)]
 
 
-def _callbacks(*args, names, average, priorities):
+def _callbacks(*args, names, average, priorities, mode):
     *arrays, shard = args
     ticket = io_callback(
-        functools.partial(_host.start, names, average, priorities),
+        functools.partial(_host.start, names, average, priorities, mode),
         jax.ShapeDtypeStruct((), jnp.int32),
         shard,
         *arrays,
@@ -79,10 +85,15 @@ def _suffixed(names, suffix):
     return tuple(f"{n}{suffix}" for n in names)
 
 
-def _jvp(primals, tangents, *, names, average, priorities):
+def _jvp(primals, tangents, *, names, average, priorities, mode):
     *arrays, shard = primals
     out = bind(
-        arrays, shard, names=names, average=average, priorities=priorities
+        arrays,
+        shard,
+        names=names,
+        average=average,
+        priorities=priorities,
+        mode=mode,
     )
     tangents = [ad.instantiate_zeros(t) for t in tangents[:-1]]
     tangent_out = bind(
@@ -91,11 +102,12 @@ def _jvp(primals, tangents, *, names, average, priorities):
         names=_suffixed(names, "/jvp"),
         average=average,
         priorities=priorities,
+        mode=mode,
     )
     return out, tangent_out
 
 
-def _transpose(cotangents, *args, names, average, priorities):
+def _transpose(cotangents, *args, names, average, priorities, mode):
     *arrays, shard = args
     if ad.is_undefined_primal(shard):
         raise ValueError("push_pull is not linear in its shard index.")
@@ -109,11 +121,12 @@ def _transpose(cotangents, *args, names, average, priorities):
         names=_suffixed(names, "/T"),
         average=average,
         priorities=priorities,
+        mode=mode,
     )
     return [*outs, None]
 
 
-def _batch(args, dims, *, names, average, priorities):
+def _batch(args, dims, *, names, average, priorities, mode):
     *arrays, shard = args
     *array_dims, shard_dim = dims
     if shard_dim is not None:
@@ -130,7 +143,12 @@ def _batch(args, dims, *, names, average, priorities):
         for n, a, d in zip(names, moved, array_dims)
     )
     outs = bind(
-        moved, shard, names=names, average=average, priorities=priorities
+        moved,
+        shard,
+        names=names,
+        average=average,
+        priorities=priorities,
+        mode=mode,
     )
     out_dims = [None if d is None else 0 for d in array_dims]
     return outs, out_dims

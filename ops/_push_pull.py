@@ -27,6 +27,7 @@ def push_pull(
     name: str = "push_pull",
     axis_name=None,
     priorities=None,
+    mode: str = "sync",
 ):
     """Sums (or averages) every leaf of `tree` over all workers.
 
@@ -46,6 +47,10 @@ def push_pull(
       axis_name: the shard_map / pmap axis of the local devices, or None.
       priorities: one int per leaf; higher goes out first. Default: leaves
         earlier in the tree first.
+      mode: ``"sync"`` (the servers sum) or ``"async"`` (servers started
+        with ``--async``, which hold parameters: each push is added into
+        them and the pull returns the latest; `AsyncDistributedOptimizer`
+        uses it). A mode that does not match the servers' is an error.
 
     Returns:
       A pytree like `tree` with the sums (or means).
@@ -61,7 +66,7 @@ def push_pull(
         return tree
     runtime = state.runtime()  # fail at trace time if not initialized
     names = leaf_names(tree, name)
-    runtime.check_mode(names)  # at trace time, not inside a callback
+    runtime.check_mode(names, mode)  # at trace time, not inside a callback
     if priorities is None:
         priorities = [-i for i in range(len(leaves))]
     priorities = tuple(int(p) for p in priorities)
@@ -83,15 +88,16 @@ def push_pull(
             names=names,
             average=average,
             priorities=priorities,
+            mode=mode,
         )
     else:
         outs = _hierarchical(
-            leaves, names, priorities, axis_name, average, runtime.size
+            leaves, names, priorities, axis_name, average, runtime.size, mode
         )
     return jax.tree_util.tree_unflatten(treedef, outs)
 
 
-def _hierarchical(leaves, names, priorities, axis_name, average, workers):
+def _hierarchical(leaves, names, priorities, axis_name, average, workers, mode):
     local = lax.axis_size(axis_name)
     index = lax.axis_index(axis_name).astype(jnp.int32)
     shards, pads = [], []
@@ -103,7 +109,12 @@ def _hierarchical(leaves, names, priorities, axis_name, average, workers):
         shards.append(lax.psum_scatter(flat, axis_name, tiled=True))
         pads.append(pad)
     sums = _primitive.bind(
-        shards, index, names=names, average=False, priorities=priorities
+        shards,
+        index,
+        names=names,
+        average=False,
+        priorities=priorities,
+        mode=mode,
     )
     outs = []
     for leaf, total, pad in zip(leaves, sums, pads):

@@ -10,7 +10,6 @@ import optax
 from jax import lax
 
 from jaxps._src.compression import Compression
-from jaxps._src.runtime import ASYNC_NAMES
 from jaxps.ops import push_pull
 
 
@@ -237,15 +236,14 @@ def AsyncDistributedOptimizer(  # noqa: N802 - mirrors DistributedOptimizer
       An `optax.GradientTransformation`.
     """
 
-    ASYNC_NAMES.add(name)
-
     def init_fn(params):
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(params)):
             raise ValueError(
                 "AsyncDistributedOptimizer.init pushes the initial parameters "
                 "to the servers: call it outside of jit."
             )
-        push_pull(params, average=False, name=name)  # round 0: initial value
+        # round 0: the initial value
+        push_pull(params, average=False, name=name, mode="async")
         return AsyncState(inner.init(params))
 
     def update_fn(updates, state, params=None):
@@ -255,7 +253,7 @@ def AsyncDistributedOptimizer(  # noqa: N802 - mirrors DistributedOptimizer
                 "update(grads, state, params)."
             )
         delta, inner_state = inner.update(updates, state.inner_state, params)
-        latest = push_pull(delta, average=False, name=name)
+        latest = push_pull(delta, average=False, name=name, mode="async")
         moved = jax.tree.map(lambda new, old: new - old, latest, params)
         return moved, AsyncState(inner_state)
 

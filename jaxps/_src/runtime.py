@@ -7,6 +7,8 @@ along the plan, and each piece queued as a chunk with the sender
 (`sender`), which pushes the chunks of all servers in priority order
 within a credit. The chunk's transport (`transport`) brings its sum back
 into the output, and the push_pull's `Handle` hears when all are back.
+Each call says what it expects of the servers (`MODES`: sums, or async
+parameters).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from jaxps.servers import jaxps_pb2 as pb
 log = logging.getLogger("jaxps")
 
 __all__ = [
-    "ASYNC_NAMES",
+    "MODES",
     "Handle",
     "Runtime",
     "fingerprint",
@@ -115,8 +117,10 @@ class Handle:
         return [o.reshape(s) for o, s in zip(self._outs, self._shapes)]
 
 
-#: push_pull names that expect async servers (AsyncDistributedOptimizer's).
-ASYNC_NAMES: set[str] = set()
+#: What a push_pull expects of the servers: ``"sync"`` servers sum the
+#: workers' arrays; ``"async"`` servers (``jaxps-server --async``) hold
+#: parameters, add each push into them and answer with the latest.
+MODES = ("sync", "async")
 
 
 class Runtime:
@@ -205,28 +209,40 @@ class Runtime:
         ]
         self._sender = Sender(credit, min(8, senders_per_server * len(clients)))
 
-    def check_mode(self, names: Sequence[str]) -> None:
+    def check_mode(self, names: Sequence[str], mode: str = "sync") -> None:
         """Refuses sums from async servers, and parameters from sync ones.
 
         Async servers hold parameters instead of summing: a push_pull that
         expects a sum would silently get the parameters back.
+
+        Args:
+          names: the names of the push_pull, for the message.
+          mode: what the push_pull expects, one of `MODES`.
         """
-        for name in names:
-            wants_async = any(name.startswith(a) for a in ASYNC_NAMES)
-            if wants_async != self.async_servers:
-                raise errors.JaxpsError(
-                    f"push_pull of {name!r} "
-                    + (
-                        "needs synchronous servers; these run with --async "
-                        "and hold parameters instead of summing (only "
-                        "AsyncDistributedOptimizer talks to them; its init "
-                        "already makes the first worker's parameters the "
-                        "common start, so broadcast is not needed)."
-                        if self.async_servers
-                        else "belongs to AsyncDistributedOptimizer, which "
-                        "needs servers started with --async."
-                    )
-                )
+        if mode not in MODES:
+            raise ValueError(
+                f"push_pull mode must be one of {MODES}. Got mode={mode!r}."
+            )
+        if (mode == "async") == self.async_servers:
+            return
+        name = names[0] if names else ""
+        if self.async_servers:
+            raise errors.JaxpsError(
+                f"push_pull of {name!r} needs synchronous servers; these run "
+                "with --async and hold parameters instead of summing (only "
+                "AsyncDistributedOptimizer talks to them; its init already "
+                "makes the first worker's parameters the common start, so "
+                "broadcast is not needed)."
+            )
+        raise errors.JaxpsError(
+            f"push_pull of {name!r} has mode='async' (AsyncDistributedOptimizer"
+            "'s), which needs servers started with --async; "
+            + (
+                "these servers sum."
+                if self._transports
+                else "this worker has no servers."
+            )
+        )
 
     @property
     def rank(self) -> int:
@@ -243,6 +259,7 @@ class Runtime:
         *,
         average: bool = True,
         priorities: Sequence[int] | None = None,
+        mode: str = "sync",
     ) -> Handle:
         """Starts summing `arrays` over all workers; returns a `Handle`.
 
@@ -251,6 +268,8 @@ class Runtime:
           arrays: numpy arrays of a supported dtype.
           average: divide the sums by the number of workers.
           priorities: higher goes out first (default: earlier names first).
+          mode: ``"sync"`` to sum, ``"async"`` for servers started with
+            ``--async`` (see `MODES`); checked against the servers.
         """
         if len(names) != len(arrays):
             raise ValueError(
@@ -258,7 +277,7 @@ class Runtime:
             )
         if len(set(names)) != len(names):
             raise ValueError(f"tensor names must be unique, got {names}.")
-        self.check_mode(names)
+        self.check_mode(names, mode)
         flats = []
         for name, array in zip(names, arrays):
             array = np.asarray(array)
@@ -311,9 +330,13 @@ class Runtime:
             self._sender.put((-piece.priority, seq, i), chunk)
         return handle
 
-    def push_pull(self, name: str, array, *, average: bool = True):
+    def push_pull(
+        self, name: str, array, *, average: bool = True, mode: str = "sync"
+    ):
         """Sums one array over all workers and returns the (mean) sum."""
-        return self.push_pull_async([name], [array], average=average).wait()[0]
+        return self.push_pull_async(
+            [name], [array], average=average, mode=mode
+        ).wait()[0]
 
     def _plan(self, names, flats, priorities):
         sig = (

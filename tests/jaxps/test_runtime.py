@@ -281,23 +281,28 @@ def test_priorities_let_the_first_layer_overtake_queued_layers(start_servers):
 
 
 @pytest.mark.timeout(60)
-def test_sums_and_async_servers_do_not_mix(start_servers, monkeypatch):
-    from jaxps._src import runtime as runtime_module
-
-    monkeypatch.setattr(runtime_module, "ASYNC_NAMES", {"params"})
+def test_sums_and_async_servers_do_not_mix(start_servers):
+    # the mode travels with each call: the same name may be either
     (async_server,) = start_servers(1, 1, "--async")
     (sync_server,) = start_servers(1, 1)
     rt = Runtime(Config(servers=(async_server.address,)))
     try:
+        assert rt.async_servers
         with pytest.raises(errors.JaxpsError, match="needs synchronous"):
             rt.push_pull("grads", np.ones(3, np.float32))
-        rt.push_pull("params/w", np.ones(3, np.float32))  # async: fine
+        got = rt.push_pull("grads", np.ones(3, np.float32), mode="async")
+        np.testing.assert_array_equal(got, 1.0)  # round 0: initial value
     finally:
         rt.close()
     rt = Runtime(Config(servers=(sync_server.address,)))
     try:
+        assert not rt.async_servers
         with pytest.raises(errors.JaxpsError, match="needs servers started"):
-            rt.push_pull("params/w", np.ones(3, np.float32))
+            rt.push_pull("params/w", np.ones(3, np.float32), mode="async")
+        with pytest.raises(ValueError, match="mode must be one of"):
+            rt.push_pull("params/w", np.ones(3, np.float32), mode="Async")
+        got = rt.push_pull("params/w", np.ones(3, np.float32))
+        np.testing.assert_array_equal(got, 1.0)
     finally:
         rt.close()
 
