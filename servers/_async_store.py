@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _kernels, _wire
-from ._store import Key, Keys, StoreError
+from ._store import Budget, Key, Keys, StoreError
 
 
 class _Held:
@@ -75,8 +75,11 @@ class AsyncStore:
         *,
         engine_threads: int = 1,
         encode=np.ndarray.tobytes,
+        budget: Budget | None = None,
     ):
         self._keys = Keys(num_workers, engine_threads)
+        self.budget = Budget() if budget is None else budget
+        self.held = 0  # bytes of this store in `budget`
         self._held: dict[int, _Held] = {}
         self.num_workers = num_workers
         self.encode = encode
@@ -111,7 +114,12 @@ class AsyncStore:
             key, rank, dtype_code, length, payload, name
         )
         k = self._keys.add(key, dtype_code, length, name)
-        held = self._held.setdefault(key, _Held())
+        held = self._held.get(key)
+        if held is None:
+            nbytes = length * _kernels.accumulator_dtype(dtype).itemsize
+            self.budget.reserve(nbytes, f"the parameters of key {k.label}")
+            self.held += nbytes
+            held = self._held[key] = _Held()
         if round <= held.last_round.get(rank, -1):
             return None  # a retry of a round this rank already pushed
         held.last_round[rank] = round
@@ -172,6 +180,13 @@ class AsyncStore:
     def expire(self, now: float | None = None) -> int:
         """Nothing expires: async pushes never wait for each other."""
         return 0
+
+    def close(self) -> None:
+        """Frees every key; its memory leaves the budget."""
+        self.budget.release(self.held)
+        self.held = 0
+        self._keys = Keys(self.num_workers, 1)
+        self._held = {}
 
     @property
     def num_keys(self) -> int:

@@ -66,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--job-id",
         default=None,
-        help="job id to accept (default: the first worker's)",
+        help="the only job id to accept (default: any job, each in its "
+        "own job incarnations)",
     )
     p.add_argument(
         "--engine-threads",
@@ -80,6 +81,21 @@ def _parser() -> argparse.ArgumentParser:
         default=d.round_timeout,
         help="seconds before an incomplete round fails for every "
         "worker (default %(default)s)",
+    )
+    p.add_argument(
+        "--max-memory",
+        type=int,
+        default=None,
+        metavar="MIB",
+        help="most MiB of sums the server holds at once; past it pushes "
+        "get RESOURCE_EXHAUSTED (default: half the host's memory)",
+    )
+    p.add_argument(
+        "--job-idle-timeout",
+        type=float,
+        default=d.job_idle_timeout,
+        help="seconds a job may be idle before the server drops its keys "
+        "and rounds (default %(default)s)",
     )
     p.add_argument(
         "--deterministic",
@@ -177,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--port must be in [0, 65535], got {args.port}")
     if args.round_timeout <= 0:
         parser.error(f"--round-timeout must be > 0, got {args.round_timeout}")
+    if args.max_memory is not None and args.max_memory < 1:
+        parser.error(f"--max-memory must be >= 1 MiB, got {args.max_memory}")
+    if args.job_idle_timeout <= 0:
+        parser.error(
+            f"--job-idle-timeout must be > 0, got {args.job_idle_timeout}"
+        )
     if args.processes < 1:
         parser.error(f"--processes must be >= 1, got {args.processes}")
     if args.token is not None and not args.token:
@@ -211,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         async_mode=args.async_mode,
         max_message_bytes=args.max_message_bytes,
         data_channel=args.data_channel,
+        max_memory=(None if args.max_memory is None else args.max_memory << 20),
+        job_idle_timeout=args.job_idle_timeout,
         token=args.token,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,

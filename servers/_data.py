@@ -33,6 +33,8 @@ log = logging.getLogger("jaxps.server")
 
 #: Seconds a nonce from a Hello stays valid.
 NONCE_TTL = 120.0
+#: Most nonces offered and not yet used (older ones are dropped).
+MAX_NONCES = 4096
 #: Seconds a new connection has to send its hello.
 HELLO_TIMEOUT = 10.0
 #: Most payload buffers kept for reuse, in bytes, per server.
@@ -45,6 +47,7 @@ class Header:
     __slots__ = (
         "version",
         "job_id",
+        "session",
         "rank",
         "key",
         "round",
@@ -53,9 +56,10 @@ class Header:
         "name",
     )
 
-    def __init__(self, job_id, rank, key, rnd, dtype, length, name):
+    def __init__(self, job_id, session, rank, key, rnd, dtype, length, name):
         self.version = _wire.PROTOCOL_VERSION
         self.job_id = job_id
+        self.session = session
         self.rank = rank
         self.key = key
         self.round = rnd
@@ -128,23 +132,26 @@ class DataChannel:
         )
         self._thread.start()
 
-    def offer(self, rank: int, job_id: str) -> bytes:
-        """A one-time nonce for a data connection of `rank` in `job_id`."""
+    def offer(self, rank: int, job_id: str, session: str) -> bytes:
+        """A one-time nonce for a data connection of `rank` in `session`
+        of `job_id`."""
         nonce = secrets.token_bytes(_wire.DATA_NONCE_BYTES)
         now = time.monotonic()
         with self._lock:
-            for old, (_, _, expires) in list(self._nonces.items()):
-                if expires < now:
+            for old, offer in list(self._nonces.items()):
+                if offer[3] < now:
                     del self._nonces[old]
-            self._nonces[nonce] = (rank, job_id, now + NONCE_TTL)
+            while len(self._nonces) >= MAX_NONCES:  # drop the oldest
+                del self._nonces[next(iter(self._nonces))]
+            self._nonces[nonce] = (rank, job_id, session, now + NONCE_TTL)
         return nonce
 
-    def _claim(self, nonce: bytes) -> tuple[int, str] | None:
+    def _claim(self, nonce: bytes) -> tuple[int, str, str] | None:
         with self._lock:
             offer = self._nonces.pop(nonce, None)
-        if offer is None or offer[2] < time.monotonic():
+        if offer is None or offer[3] < time.monotonic():
             return None
-        return offer[0], offer[1]
+        return offer[:3]
 
     def _accept_loop(self) -> None:
         while True:
@@ -203,6 +210,7 @@ class _Connection:
         self.peer = peer
         self.rank = -1
         self.job_id = ""
+        self.session = ""
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         # requests handed to the loop and not answered yet; the writer
         # stops once the reader is done and this is 0
@@ -276,7 +284,7 @@ class _Connection:
                     "(say Hello over gRPC first; nonces are used once)"
                 )
             else:
-                expected = _wire.data_mac(self.channel.token, nonce, *offer)
+                expected = _wire.data_mac(self.channel.token, nonce, *offer[:2])
                 if not hmac.compare_digest(mac, expected):
                     error = (
                         "missing or wrong jaxps token on the data channel: "
@@ -284,7 +292,7 @@ class _Connection:
                         "on servers."
                     )
                 else:
-                    self.rank, self.job_id = offer
+                    self.rank, self.job_id, self.session = offer
         self.sock.settimeout(None)
         if error is not None:
             code = (
@@ -350,6 +358,7 @@ class _Connection:
         _wire.recv_exact(self.sock, memoryview(buf))
         h = Header(
             self.job_id,
+            self.session,
             rank,
             key,
             rnd,

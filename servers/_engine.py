@@ -18,7 +18,7 @@ INLINE_SUM_BYTES = 256 * 1024
 
 
 class Engines:
-    """Runs the tickets of `store` on `threads` engine threads.
+    """Runs tickets on `threads` engine threads (shared by all stores).
 
     Small pushes, and any push while its engine has nothing queued (a lone
     chunk waits for it), are summed on the event loop: cheaper than the hop
@@ -26,8 +26,7 @@ class Engines:
     all have one size.
     """
 
-    def __init__(self, store: PushPullStore, threads: int):
-        self._store = store
+    def __init__(self, threads: int):
         n = max(1, threads)
         # tickets handed to each engine and not completed yet
         self._jobs = [0] * n
@@ -42,8 +41,8 @@ class Engines:
         """Tickets handed to `engine` and not completed yet."""
         return self._jobs[engine]
 
-    async def sum(self, ticket: Ticket) -> None:
-        """Sums `ticket`, then completes it (`store.finish_push`).
+    async def sum(self, ticket: Ticket, store: PushPullStore) -> None:
+        """Sums `ticket`, then completes it (``store.finish_push``).
 
         Returns once it is summed if the store acknowledges pushes after
         their sum (raising what the sum raised), else once it is scheduled:
@@ -55,16 +54,18 @@ class Engines:
             try:
                 ticket.run()
             except Exception as err:
-                self._store.finish_push(ticket, err)
+                store.finish_push(ticket, err)
             else:
-                self._store.finish_push(ticket)
+                store.finish_push(ticket)
             return
         self._jobs[engine] += 1
         summed = asyncio.get_running_loop().run_in_executor(
             self._threads[engine], ticket.run
         )
-        if not self._store.acks_after_sum:
-            summed.add_done_callback(functools.partial(self._summed, ticket))
+        if not store.acks_after_sum:
+            summed.add_done_callback(
+                functools.partial(self._summed, ticket, store)
+            )
             return
         error = None
         try:
@@ -73,12 +74,12 @@ class Engines:
             error = err
         finally:
             self._jobs[engine] -= 1
-        self._store.finish_push(ticket, error)
+        store.finish_push(ticket, error)
 
-    def _summed(self, ticket: Ticket, future) -> None:
+    def _summed(self, ticket: Ticket, store: PushPullStore, future) -> None:
         self._jobs[ticket.engine] -= 1
         if not future.cancelled():  # cancelled: the server is stopping
-            self._store.finish_push(ticket, future.exception())
+            store.finish_push(ticket, future.exception())
 
     def close(self) -> None:
         """Stops the engine threads; queued sums are dropped."""

@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
-from ._store import PushPullStore
+
+class Counters(Protocol):
+    """What the metrics read: `_jobs.Jobs` (summed over sessions) or one
+    store."""
+
+    bytes_summed: int
+    rounds_completed: int
+    last_round_by_rank: dict[int, int]
+    num_keys: int
+
+    def pending_pulls(self) -> int: ...
+
+    def pending_rounds(self) -> int: ...
 
 
-def snapshot(store: PushPullStore) -> dict:
-    """The store's counters and gauges, read now."""
+def snapshot(store: Counters) -> dict:
+    """The counters and gauges of `store`, read now."""
     last = dict(store.last_round_by_rank)
     newest = max(last.values(), default=0)
     return {
@@ -21,7 +34,7 @@ def snapshot(store: PushPullStore) -> dict:
     }
 
 
-def start_prometheus(store: PushPullStore, host: str, port: int):
+def start_prometheus(store: Counters, host: str, port: int):
     """Serves the store's metrics at http://host:port/metrics."""
     try:
         import prometheus_client
@@ -81,7 +94,7 @@ class StatusLine:
         self.address = address
         self._last = (time.monotonic(), 0)
 
-    def line(self, store: PushPullStore) -> str:
+    def line(self, store: Counters) -> str:
         s = snapshot(store)
         now = time.monotonic()
         then, summed = self._last

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 
 import grpc
@@ -24,7 +25,8 @@ class ServerOptions:
       host: interface to bind; loopback unless told otherwise.
       port: TCP port; 0 picks a free one.
       num_workers: number of worker ranks that push every round.
-      job_id: accepted job id; ``None`` adopts the first worker's.
+      job_id: the only job id accepted; ``None`` serves any job, each in
+        its own job incarnations (`_jobs`).
       engine_threads: threads that sum payloads.
       round_timeout: seconds before an incomplete round fails for everyone.
       deterministic: sum in rank order (bitwise reproducible).
@@ -42,6 +44,10 @@ class ServerOptions:
       data_channel: offer workers the data channel (plain TCP for bulk
         payloads, `_data`); never with TLS, whose workers keep payloads in
         the gRPC messages.
+      max_memory: most bytes of accumulators and sums held at once (None:
+        half the host's memory); past it a push gets RESOURCE_EXHAUSTED.
+      job_idle_timeout: seconds a job incarnation may be idle before its
+        keys and rounds are dropped.
     """
 
     host: str = "127.0.0.1"
@@ -61,6 +67,8 @@ class ServerOptions:
     metrics_port: int | None = None
     status_interval: float | None = None
     data_channel: bool = True
+    max_memory: int | None = None
+    job_idle_timeout: float = 600.0
 
 
 class Server:
@@ -86,7 +94,7 @@ class Server:
         await self.grpc_server.start()
         if self.options.metrics_port is not None:
             self._metrics = _metrics.start_prometheus(
-                self.summation.store,
+                self.summation.jobs,
                 self.options.host,
                 self.options.metrics_port,
             )
@@ -120,10 +128,18 @@ class Server:
         status = _metrics.StatusLine(self.address)
         while True:
             await asyncio.sleep(interval)
-            print(status.line(self.summation.store), flush=True)
+            print(status.line(self.summation.jobs), flush=True)
 
     async def wait(self) -> None:
         await self.grpc_server.wait_for_termination()
+
+
+def default_max_memory() -> int:
+    """Half the host's physical memory, in bytes."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError):
+        return 8 << 30
 
 
 def create_server(opts: ServerOptions) -> Server:
@@ -138,6 +154,10 @@ def create_server(opts: ServerOptions) -> Server:
         engine_threads=opts.engine_threads,
         deterministic=opts.deterministic,
         async_mode=opts.async_mode,
+        max_memory=(
+            default_max_memory() if opts.max_memory is None else opts.max_memory
+        ),
+        idle_timeout=opts.job_idle_timeout,
     )
     servicer = _service.SummationServicer(summation)
     options = _wire.channel_options(opts.max_message_bytes) + [

@@ -84,6 +84,10 @@ class SummationServicer:
                 self.Detach,
                 response_serializer=pb.DetachReply.SerializeToString,
             ),
+            "Bye": grpc.unary_unary_rpc_method_handler(
+                self.Bye,
+                response_serializer=pb.ByeReply.SerializeToString,
+            ),
         }
         return grpc.method_handlers_generic_handler(_wire.SERVICE_NAME, methods)
 
@@ -101,19 +105,27 @@ class SummationServicer:
         core = self.summation
         try:
             request = _decode(pb.HelloRequest, request)
-            core.hello(request, request.num_workers)
+            session = core.hello(
+                request,
+                request.num_workers,
+                init_id=request.init_id,
+                timeout=request.timeout,
+            )
         except _wire.Rejected as err:
             await self._abort(context, err)
         reply = pb.HelloReply(
             version=_wire.PROTOCOL_VERSION,
             incarnation=core.incarnation,
             num_workers=core.num_workers,
-            job_id=core.job_id,
+            job_id=request.job_id,
             async_mode=core.async_mode,
+            session=session.id,
         )
         if self.data is not None:
             reply.data_port = self.data.port
-            reply.data_nonce = self.data.offer(request.rank, core.job_id)
+            reply.data_nonce = self.data.offer(
+                request.rank, request.job_id, session.id
+            )
         return reply
 
     async def Push(self, request: bytes, context):
@@ -127,12 +139,9 @@ class SummationServicer:
         core = self.summation
         try:
             request = _decode(pb.PullRequest, request)
-            h = request.header
-            core.check_header(h)
             slot = request.slot if request.HasField("slot") else None
-            target = None if slot is None else core.slot(h, slot)
             result = await core.pull(
-                h, deadline=_deadline(context), into=target
+                request.header, deadline=_deadline(context), slot=slot
             )
         except _wire.Rejected as err:
             await self._abort(context, err)
@@ -143,7 +152,6 @@ class SummationServicer:
         core = self.summation
         try:
             h, payload, checksum, slot = _decode_push(request)
-            core.check_header(h)
             if slot is None:
                 raise _wire.Rejected(
                     "INVALID_ARGUMENT",
@@ -177,3 +185,10 @@ class SummationServicer:
         except _wire.Rejected as err:
             await self._abort(context, err)
         return pb.DetachReply(incarnation=self.summation.incarnation)
+
+    async def Bye(self, request: bytes, context):
+        try:
+            self.summation.bye(_decode(pb.ByeRequest, request).header)
+        except _wire.Rejected as err:
+            await self._abort(context, err)
+        return pb.ByeReply(incarnation=self.summation.incarnation)

@@ -112,6 +112,9 @@ class PushPullStore(Protocol):
 
     def expire(self, now: float | None = None) -> int: ...
 
+    def close(self) -> None:
+        """Frees every key (the store's session ended)."""
+
     @property
     def num_keys(self) -> int: ...
 
@@ -122,6 +125,35 @@ class PushPullStore(Protocol):
 
 def _tobytes(array: np.ndarray) -> bytes:
     return array.tobytes()
+
+
+class Budget:
+    """The bytes a server may hold in accumulators and encoded sums
+    (``--max-memory``), shared by the stores of all its sessions.
+
+    Args:
+      max_bytes: the cap; None is no cap.
+    """
+
+    def __init__(self, max_bytes: int | None = None):
+        self.max_bytes = max_bytes
+        self.held = 0
+
+    def reserve(self, nbytes: int, what: str) -> None:
+        """Counts `nbytes` more, or raises RESOURCE_EXHAUSTED naming the
+        cap and `what` needed them."""
+        if self.max_bytes is not None and self.held + nbytes > self.max_bytes:
+            mib = 1 << 20
+            raise StoreError(
+                "RESOURCE_EXHAUSTED",
+                f"{what} needs {nbytes / mib:.1f} MiB but this server "
+                f"already holds {self.held / mib:.1f} MiB of its "
+                f"--max-memory {self.max_bytes / mib:.0f} MiB.",
+            )
+        self.held += nbytes
+
+    def release(self, nbytes: int) -> None:
+        self.held -= nbytes
 
 
 @dataclasses.dataclass(eq=False)
@@ -257,6 +289,8 @@ class Store:
       round_window: how many rounds of one key may be live at once.
       encode: turns a finished sum (an array) into the bytes every puller
         receives; the default is the raw array bytes.
+      budget: the memory cap this store counts its accumulators and encoded
+        sums against (shared by a server's stores).
     """
 
     #: Pushes are acknowledged once accepted, and summed in the background.
@@ -271,8 +305,11 @@ class Store:
         deterministic: bool = False,
         round_window: int = 2,
         encode=_tobytes,
+        budget: Budget | None = None,
     ):
         self._keys = Keys(num_workers, engine_threads)
+        self.budget = Budget() if budget is None else budget
+        self.held = 0  # bytes of this store in `budget`
         self.num_workers = num_workers
         self.round_timeout = round_timeout
         self.deterministic = deterministic
@@ -318,6 +355,10 @@ class Store:
         except StoreError as err:
             self._poison(key, round, err)
             raise
+        if k.done == -1 and not k.rounds and k.last is None:
+            # A new key starts at the round of its first push (a key freed
+            # after idling, or a worker that re-pushes to a new server).
+            k.done = round - 1
         if k.last is not None and k.last.number == round:
             rnd = k.last  # a PushPull retried after its round was freed
         else:
@@ -455,6 +496,7 @@ class Store:
         if raw:
             return rnd.total
         if rnd.encoded is None:
+            self._reserve(rnd.total.nbytes, f"the sum of key {k.label}")
             rnd.encoded = self.encode(rnd.total)
         return rnd.encoded
 
@@ -464,8 +506,33 @@ class Store:
         if len(rnd.pulled) == self.num_workers:
             del k.rounds[rnd.number]
             if rnd.number > k.done:
-                k.done, k.last = rnd.number, rnd
+                k.done = rnd.number
+                if k.last is not None:
+                    self._drop(k.last)
+                k.last = rnd
+            elif rnd is not k.last:
+                self._drop(rnd)
         return answer
+
+    # -- memory ------------------------------------------------------------
+
+    def _reserve(self, nbytes: int, what: str) -> None:
+        self.budget.reserve(nbytes, what)
+        self.held += nbytes
+
+    def _drop(self, rnd: Round) -> None:
+        """Releases what a round no longer needed holds (its encoded sum)."""
+        if rnd.encoded is not None:
+            n = len(rnd.encoded)
+            rnd.encoded = None
+            self.budget.release(n)
+            self.held -= n
+
+    def close(self) -> None:
+        """Frees every key; its memory leaves the budget."""
+        self.budget.release(self.held)
+        self.held = 0
+        self._keys = Keys(self.num_workers, 1)
 
     # -- expiry ------------------------------------------------------------
 
@@ -484,12 +551,15 @@ class Store:
         failed = 0
         for k in self._keys:
             for rnd in list(k.rounds.values()):
-                if rnd.error is not None:
-                    if now >= rnd.deadline + self.round_timeout:
-                        del k.rounds[rnd.number]  # forget it after a while
-                    continue
-                if rnd.total is None and now >= rnd.deadline:
-                    failed += self._fail(k, rnd)
+                if rnd.total is None and rnd.error is None:
+                    if now >= rnd.deadline:
+                        failed += self._fail(k, rnd)
+                elif now >= rnd.deadline + self.round_timeout:
+                    # failed, or complete and never pulled by every rank:
+                    # forget it a round timeout later
+                    del k.rounds[rnd.number]
+                    k.done = max(k.done, rnd.number)
+                    self._drop(rnd)
         return failed
 
     def _poison(self, key: int, number: int, err: StoreError) -> None:
@@ -561,6 +631,10 @@ class Store:
                 k.buffers[slot] = (array, number)
                 return array
         dtype = _kernels.accumulator_dtype(_wire.code_dtype(k.dtype_code))
+        if held is None:  # kept for the key's life: counted in the budget
+            self._reserve(
+                k.length * dtype.itemsize, f"round {number} of key {k.label}"
+            )
         array = np.empty(k.length, dtype)
         if held is None:
             k.buffers[slot] = (array, number)

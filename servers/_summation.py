@@ -6,8 +6,8 @@ call it and encode its answers. A request is refused by raising
 `_wire.Rejected`. All its methods run on the server's event loop.
 
 A chunk's header `h` is any object with the attributes of `pb.Header`:
-``version``, ``job_id``, ``rank``, ``key``, ``round``, ``dtype``,
-``length`` and ``name``.
+``version``, ``job_id``, ``session``, ``rank``, ``key``, ``round``,
+``dtype``, ``length`` and ``name``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from . import _async_store, _codec, _engine, _shm, _store, _wire
+from . import _async_store, _codec, _engine, _jobs, _store, _wire
 
 log = logging.getLogger("jaxps.server")
 
@@ -39,15 +39,21 @@ def _chunk(h) -> dict:
 class Summation:
     """Sums the chunks pushed by `num_workers` ranks and answers pulls.
 
+    Every request belongs to a job incarnation (`_jobs.Session`) that a
+    Hello gave: its keys, rounds and segments are its own.
+
     Args:
-      num_workers: number of worker ranks in the job.
-      job_id: the job this server serves; ``None`` adopts the job id of the
-        first header checked.
+      num_workers: number of worker ranks in a job.
+      job_id: the only job this server serves; ``None`` serves any job
+        (each in its own sessions).
       round_timeout: seconds before an incomplete round fails for everyone.
       engine_threads: threads that sum payloads (each key is pinned to one).
       deterministic: sum in rank order for bitwise reproducible results.
       async_mode: hold parameters and add deltas without rounds (BytePS
         async); see `_async_store`.
+      max_memory: most bytes of accumulators and sums held at once, over
+        all sessions (None: no cap).
+      idle_timeout: a session idle this long drops its keys and rounds.
     """
 
     def __init__(
@@ -59,99 +65,135 @@ class Summation:
         engine_threads: int = 2,
         deterministic: bool = False,
         async_mode: bool = False,
+        max_memory: int | None = None,
+        idle_timeout: float = 600.0,
     ):
-        self.job_id = job_id
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}.")
         #: Random id of this server process, sent with every reply.
         self.incarnation = secrets.token_hex(8)
         self.async_mode = async_mode
-        self.store: _store.PushPullStore
-        if async_mode:
-            self.store = _async_store.AsyncStore(
-                num_workers,
-                engine_threads=engine_threads,
-                encode=self._encode_reply,
+        self.budget = _store.Budget(max_memory)
+        self._store_args = dict(
+            engine_threads=engine_threads,
+            encode=self._encode_reply,
+            budget=self.budget,
+        )
+        if not async_mode:
+            self._store_args.update(
+                round_timeout=round_timeout, deterministic=deterministic
             )
-        else:
-            self.store = _store.Store(
-                num_workers,
-                round_timeout=round_timeout,
-                engine_threads=engine_threads,
-                deterministic=deterministic,
-                encode=self._encode_reply,
-            )
-        self.engines = _engine.Engines(self.store, engine_threads)
-        #: Shared-memory segments of workers on this host.
-        self.segments = _shm.Segments()
+        self._num_workers = num_workers
+        self.jobs = _jobs.Jobs(
+            num_workers,
+            self._new_store,
+            job_id=job_id,
+            round_timeout=round_timeout,
+            idle_timeout=idle_timeout,
+        )
+        self.engines = _engine.Engines(engine_threads)
         #: The PullReply of a sum put into the puller's shared-memory slot.
         self.in_slot_reply = _codec.encode_pull_reply(
             self.incarnation, None, in_slot=True
         )
 
+    def _new_store(self) -> _store.PushPullStore:
+        if self.async_mode:
+            return _async_store.AsyncStore(
+                self._num_workers, **self._store_args
+            )
+        return _store.Store(self._num_workers, **self._store_args)
+
     @property
     def num_workers(self) -> int:
-        return self.store.num_workers
+        return self._num_workers
+
+    @property
+    def job_id(self) -> str | None:
+        return self.jobs.job_id
 
     def _encode_reply(self, total) -> bytes:
         return _codec.encode_pull_reply(self.incarnation, total)
 
     # -- checks ------------------------------------------------------------
 
-    def check_header(self, h) -> None:
-        """Checks the protocol version and job id of `h` (the first job id
-        checked is adopted if the server was given none)."""
-        if h.version != _wire.PROTOCOL_VERSION:
+    @staticmethod
+    def check_version(version: int) -> None:
+        if version != _wire.PROTOCOL_VERSION:
             raise _wire.Rejected(
                 "FAILED_PRECONDITION",
                 f"protocol version mismatch: worker speaks version "
-                f"{h.version}, server speaks {_wire.PROTOCOL_VERSION}; "
+                f"{version}, server speaks {_wire.PROTOCOL_VERSION}; "
                 "install the same jaxps on workers and servers.",
-            )
-        if self.job_id is None:
-            self.job_id = h.job_id
-        elif h.job_id != self.job_id:
-            raise _wire.Rejected(
-                "PERMISSION_DENIED",
-                f"unknown job_id {h.job_id!r}: this server serves job "
-                f"{self.job_id!r}.",
             )
 
     def check_rank(self, rank: int) -> None:
         """Checks that `rank` is in ``[0, num_workers)``."""
-        self.store.check_rank(rank)
+        if not 0 <= rank < self._num_workers:
+            raise _wire.Rejected(
+                "INVALID_ARGUMENT",
+                f"rank {rank} out of range: this server sums "
+                f"num_workers={self._num_workers} ranks [0, "
+                f"{self._num_workers}).",
+            )
 
-    def hello(self, h, num_workers: int) -> None:
-        """Checks a worker's hello: header, rank and its `num_workers`."""
-        self.check_header(h)
+    def check_header(self, h) -> _jobs.Session:
+        """Checks the protocol version, job, rank and session of `h`;
+        returns the session."""
+        self.check_version(h.version)
         self.check_rank(h.rank)
-        if num_workers != self.num_workers:
+        return self.jobs.get(h.job_id, h.session, h.rank)
+
+    def hello(
+        self,
+        h,
+        num_workers: int,
+        *,
+        init_id: str = "",
+        timeout: float = 0.0,
+    ) -> _jobs.Session:
+        """Checks a worker's hello (header, rank and its `num_workers`);
+        returns the session it joins (``h.session``, if not empty, is the
+        one it was given before). Only a hello that passes every check
+        starts or joins a session."""
+        self.check_version(h.version)
+        self.jobs.check_job(h.job_id)
+        self.check_rank(h.rank)
+        if num_workers != self._num_workers:
             raise _wire.Rejected(
                 "FAILED_PRECONDITION",
                 f"wrong num_workers: worker {h.rank} says "
                 f"num_workers={num_workers}, server was started "
-                f"with --num-workers {self.num_workers}.",
+                f"with --num-workers {self._num_workers}.",
             )
+        return self.jobs.hello(
+            h.job_id, h.rank, h.session, init_id or h.session, timeout
+        )
+
+    def bye(self, h) -> None:
+        """Rank ``h.rank`` leaves its session (freed once all have)."""
+        self.jobs.bye(self.check_header(h), h.rank)
 
     # -- shared memory -----------------------------------------------------
 
     def attach(self, h, name: str, size: int, token: bytes) -> int:
         """Maps a segment of rank ``h.rank``; returns its id."""
-        self.check_header(h)
-        self.check_rank(h.rank)
-        return self.segments.attach(h.rank, name, size, token)
+        s = self.check_header(h)
+        return s.segments.attach(h.rank, name, size, token)
 
     def detach(self, h, segments) -> None:
         """Unmaps segments of rank ``h.rank`` (unknown ids are ignored)."""
-        self.check_header(h)
-        self.segments.detach(h.rank, segments)
+        self.check_header(h).segments.detach(h.rank, segments)
 
-    def slot(self, h, slot) -> memoryview:
+    @staticmethod
+    def slot(s: _jobs.Session, h, slot) -> memoryview:
         """The bytes of chunk `h` in a slot (``segment``, ``offset``) of a
-        shared-memory segment of rank ``h.rank``."""
+        shared-memory segment of rank ``h.rank`` in session `s`."""
         try:
             itemsize = _wire.code_dtype(h.dtype).itemsize
         except KeyError:
             itemsize = 0  # the store names the bad dtype
-        return self.segments.view(
+        return s.segments.view(
             h.rank, slot.segment, slot.offset, h.length * itemsize
         )
 
@@ -166,10 +208,11 @@ class Summation:
         caller's pull returns). In async mode it returns once the push was
         added.
         """
-        self.check_header(h)
+        s = self.check_header(h)
         if slot is not None:
-            payload = self.slot(h, slot)
-        ticket = self.store.begin_push(
+            payload = self.slot(s, h, slot)
+        store = s.store
+        ticket = store.begin_push(
             **_chunk(h),
             payload=payload,
             checksum=checksum,
@@ -177,11 +220,11 @@ class Summation:
             lent=slot is not None,
         )
         if ticket is not None:  # else an identical retry
-            await self.engines.sum(ticket)
+            await self.engines.sum(ticket, store)
         return payload
 
     async def pull(
-        self, h, *, deadline: float, raw: bool = False, into=None
+        self, h, *, deadline: float, raw: bool = False, into=None, slot=None
     ) -> bytes | np.ndarray:
         """Waits until the round of `h` is complete; returns its sum.
 
@@ -191,12 +234,19 @@ class Summation:
         sum is put there and the reply says so (with `raw`: a numpy view of
         `into`). Raises DEADLINE_EXCEEDED, naming the ranks that did not
         push, if the round is incomplete at `deadline` (a
-        `time.monotonic()` value) or at the round's own deadline.
+        `time.monotonic()` value), at the worker's own timeout (from its
+        Hello) or at the round's deadline. `slot` (a `pb.ShmSlot`) names
+        `into` in the rank's shared memory instead.
         """
-        self.check_header(h)
-        store = self.store
+        s = self.check_header(h)
+        if slot is not None:
+            into = self.slot(s, h, slot)
+        store = s.store
         rnd, result = store.pull(**_chunk(h), raw=raw, into=into)
         if result is None:
+            timeout = s.members[h.rank].timeout
+            if timeout > 0:
+                deadline = min(deadline, time.monotonic() + timeout)
             await self._wait(rnd, deadline)
             result = store.collect(
                 h.key, rnd, h.rank, raw=raw, into=into, now=time.monotonic()
@@ -223,11 +273,11 @@ class Summation:
         """Fails late rounds every `period` seconds (a background task)."""
         while True:
             await asyncio.sleep(period)
-            failed = self.store.expire()
+            failed = self.jobs.expire()
             if failed:
                 log.warning("%d round(s) timed out", failed)
 
     def close(self) -> None:
-        """Stops the engine threads and unmaps every segment."""
+        """Stops the engine threads and frees every session."""
         self.engines.close()
-        self.segments.close()
+        self.jobs.close()

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import jaxps_pb2 as pb
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 #: The gRPC service of a summation server (also its health-check name).
 SERVICE_NAME = "jaxps.Summation"
 #: Trailing metadata of every rejection: the server's incarnation id, so a

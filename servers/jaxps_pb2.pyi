@@ -25,7 +25,7 @@ INT32: DType
 INT64: DType
 
 class Header(_message.Message):
-    __slots__ = ("version", "job_id", "rank", "key", "round", "dtype", "length", "name")
+    __slots__ = ("version", "job_id", "rank", "key", "round", "dtype", "length", "name", "session")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class Header(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     job_id: str
     rank: int
@@ -42,22 +43,29 @@ class Header(_message.Message):
     dtype: DType
     length: int
     name: str
-    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., key: _Optional[int] = ..., round: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+    session: str
+    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., key: _Optional[int] = ..., round: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., name: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
-    __slots__ = ("version", "job_id", "rank", "num_workers")
+    __slots__ = ("version", "job_id", "rank", "num_workers", "session", "init_id", "timeout")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    INIT_ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     version: int
     job_id: str
     rank: int
     num_workers: int
-    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., num_workers: _Optional[int] = ...) -> None: ...
+    session: str
+    init_id: str
+    timeout: float
+    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., session: _Optional[str] = ..., init_id: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("version", "incarnation", "num_workers", "job_id", "async_mode", "data_port", "data_nonce")
+    __slots__ = ("version", "incarnation", "num_workers", "job_id", "async_mode", "data_port", "data_nonce", "session")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +73,7 @@ class HelloReply(_message.Message):
     ASYNC_MODE_FIELD_NUMBER: _ClassVar[int]
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     DATA_NONCE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     incarnation: str
     num_workers: int
@@ -72,7 +81,8 @@ class HelloReply(_message.Message):
     async_mode: bool
     data_port: int
     data_nonce: bytes
-    def __init__(self, version: _Optional[int] = ..., incarnation: _Optional[str] = ..., num_workers: _Optional[int] = ..., job_id: _Optional[str] = ..., async_mode: _Optional[bool] = ..., data_port: _Optional[int] = ..., data_nonce: _Optional[bytes] = ...) -> None: ...
+    session: str
+    def __init__(self, version: _Optional[int] = ..., incarnation: _Optional[str] = ..., num_workers: _Optional[int] = ..., job_id: _Optional[str] = ..., async_mode: _Optional[bool] = ..., data_port: _Optional[int] = ..., data_nonce: _Optional[bytes] = ..., session: _Optional[str] = ...) -> None: ...
 
 class ShmSlot(_message.Message):
     __slots__ = ("segment", "offset")
@@ -141,6 +151,18 @@ class PullRequest(_message.Message):
     header: Header
     slot: ShmSlot
     def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., slot: _Optional[_Union[ShmSlot, _Mapping]] = ...) -> None: ...
+
+class ByeRequest(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: Header
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ...) -> None: ...
+
+class ByeReply(_message.Message):
+    __slots__ = ("incarnation",)
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    def __init__(self, incarnation: _Optional[str] = ...) -> None: ...
 
 class PullReply(_message.Message):
     __slots__ = ("incarnation", "payload", "in_slot")

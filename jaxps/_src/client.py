@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import secrets
 import time
 
 import grpc
@@ -21,6 +22,8 @@ MAX_BACKOFF = 0.5
 #: its round has a longer deadline than the timeout, but a dead server is
 #: still reported within the timeout.
 RETRY_WINDOW = 10.0
+#: Longest wait for the answer to a Bye (the server may be gone).
+BYE_TIMEOUT = 1.0
 
 _REJECTED = {getattr(grpc.StatusCode, n) for n in _wire.REJECTED_STATUSES}
 
@@ -101,22 +104,60 @@ class ServerClient:
             request_serializer=pb.DetachRequest.SerializeToString,
             response_deserializer=pb.DetachReply.FromString,
         )
+        self._bye = self._channel.unary_unary(
+            method + "Bye",
+            request_serializer=pb.ByeRequest.SerializeToString,
+            response_deserializer=pb.ByeReply.FromString,
+        )
         self._header: pb.Header | None = None
+        #: the job incarnation the server put this worker in (see Hello)
+        self.session = ""
+        self._failed = False  # a call failed: close says no Bye
         self.incarnation: str | None = None
         self.async_mode = False
         self.data_port = 0
         self.data_nonce = b""
 
     def close(self) -> None:
+        """Says Bye (the server frees the job's state once every rank has)
+        and closes the channel."""
+        if self._header is not None and not self._failed:
+            try:
+                self._bye(
+                    pb.ByeRequest(header=self._header),
+                    timeout=min(BYE_TIMEOUT, self.timeout),
+                    metadata=self._metadata,
+                )
+            except grpc.RpcError:
+                pass  # the server is gone, or freed the session already
+            self._header = None
         self._channel.close()
 
-    def hello(self, *, job_id: str, rank: int, num_workers: int) -> str:
-        """Waits up to `timeout` for the server; checks job and size."""
+    def hello(
+        self,
+        *,
+        job_id: str,
+        rank: int,
+        num_workers: int,
+        init_id: str | None = None,
+    ) -> str:
+        """Waits up to `timeout` for the server; checks job and size, and
+        joins a job incarnation; returns the server's incarnation.
+
+        `init_id` names the worker's init (the same for all its clients),
+        so that the server tells its other channels from a new init of the
+        rank. A second hello (a reconnect) keeps the session.
+        """
+        if init_id is None:
+            init_id = secrets.token_hex(8)
         request = pb.HelloRequest(
             version=_wire.PROTOCOL_VERSION,
             job_id=job_id,
             rank=rank,
             num_workers=num_workers,
+            session=self.session,
+            init_id=init_id,
+            timeout=self.timeout,
         )
         try:
             reply = self._hello(
@@ -141,8 +182,12 @@ class ServerClient:
         #: the data channel's port (0: not offered) and one-time nonce
         self.data_port = reply.data_port
         self.data_nonce = reply.data_nonce
+        self.session = reply.session
         self._header = pb.Header(
-            version=_wire.PROTOCOL_VERSION, job_id=job_id, rank=rank
+            version=_wire.PROTOCOL_VERSION,
+            job_id=job_id,
+            rank=rank,
+            session=reply.session,
         )
         return reply.incarnation
 
@@ -174,6 +219,7 @@ class ServerClient:
     ) -> None:
         """Pushes one chunk (an array, or a filled `slot`); retries
         UNAVAILABLE until `deadline`."""
+        header.session = self.session
         request = _codec.encode_push(header, payload, checksum, slot)
         reply = self._call(self._push, request, deadline, header, "push")
         self._check_incarnation(reply.incarnation, header)
@@ -183,6 +229,7 @@ class ServerClient:
     ):
         """Starts a PushPull of a filled shared-memory `slot`; returns a
         grpc future of the encoded PullReply (the sum is then in `slot`)."""
+        header.session = self.session
         request = _codec.encode_push(header, None, checksum, slot)
         return self._push_pull.future(
             request,
@@ -194,6 +241,7 @@ class ServerClient:
         self, header: pb.Header, checksum: int, deadline: float, slot
     ) -> None:
         """PushPull of a filled `slot`, blocking; retries UNAVAILABLE."""
+        header.session = self.session
         request = _codec.encode_push(header, None, checksum, slot)
         reply = self._call(
             self._push_pull, request, deadline, header, "push_pull"
@@ -202,6 +250,7 @@ class ServerClient:
 
     def pull_future(self, header: pb.Header, deadline: float, slot=None):
         """Starts a pull; returns a grpc future of the encoded PullReply."""
+        header.session = self.session
         request = pb.PullRequest(header=header, slot=slot)
         return self._pull.future(
             request,
@@ -213,6 +262,7 @@ class ServerClient:
         self, header: pb.Header, deadline: float, slot=None
     ) -> memoryview | None:
         """Pulls one chunk's sum, blocking; retries UNAVAILABLE."""
+        header.session = self.session
         request = pb.PullRequest(header=header, slot=slot)
         reply = self._call(self._pull, request, deadline, header, "pull")
         return self.decode_pull(reply, header, slot)
@@ -297,6 +347,7 @@ class ServerClient:
         self, err: grpc.RpcError, what: str, header: pb.Header | None = None
     ) -> errors.JaxpsError:
         """Turns a grpc error into the matching jaxps error."""
+        self._failed = True
         code, details = err.code(), err.details() or ""
         restarted = self._restarted(err)
         if restarted is not None:
@@ -311,8 +362,10 @@ class ServerClient:
             if details and "Deadline Exceeded" not in details:
                 return errors.RoundTimeoutError(f"{where}: {details}")
             return errors.RoundTimeoutError(
-                f"{where}: no answer within the deadline ({self.timeout:g} s "
-                "timeout); a worker or the server is stuck or gone."
+                f"{where}: the server did not answer within the deadline; it "
+                "is frozen, overloaded or gone (a round that misses a rank "
+                f"is answered after the {self.timeout:g} s timeout, naming "
+                "the rank)."
             )
         if code in _REJECTED:
             return errors.RequestRejectedError(

@@ -318,9 +318,11 @@ class DataConnection:
                     req,
                     errors.RoundTimeoutError(
                         f"server {self.address} (push_pull of "
-                        f"{req.header.name} round {req.header.round}): no "
-                        f"answer within the deadline ({self.timeout:g} s "
-                        "timeout); a worker or the server is stuck or gone."
+                        f"{req.header.name} round {req.header.round}): the "
+                        "server did not answer within the deadline; it is "
+                        "frozen, overloaded or gone (a round that misses a "
+                        f"rank is answered after the {self.timeout:g} s "
+                        "timeout, naming the rank)."
                     ),
                 )
             if waiting and now - self._heard > 2 * self.timeout:

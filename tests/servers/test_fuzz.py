@@ -147,10 +147,36 @@ def raw_call(channel, method, data):
     return grpc.StatusCode.OK, ""
 
 
-def header_bytes(**fields):
+_SESSIONS: dict[str, str] = {}
+
+
+def session_of(address: str) -> str:
+    """A job incarnation of rank 0 on the server at `address` (one Hello)."""
+    if address not in _SESSIONS:
+        with grpc.insecure_channel(address) as channel:
+            reply = channel.unary_unary(
+                "/jaxps.Summation/Hello",
+                request_serializer=pb.HelloRequest.SerializeToString,
+                response_deserializer=pb.HelloReply.FromString,
+            )(
+                pb.HelloRequest(
+                    version=_wire.PROTOCOL_VERSION,
+                    job_id="jaxps",
+                    rank=0,
+                    num_workers=2,
+                    init_id="fuzz",
+                ),
+                timeout=10,
+            )
+        _SESSIONS[address] = reply.session
+    return _SESSIONS[address]
+
+
+def header_bytes(session="", **fields):
     base = dict(
         version=_wire.PROTOCOL_VERSION,
         job_id="jaxps",
+        session=session,
         rank=0,
         key=1,
         round=0,
@@ -169,6 +195,7 @@ def header_bytes(**fields):
 @given(st.data())
 def test_server_survives_malformed_requests(module_server, data):
     server = module_server
+    sid = session_of(server.address)
     kind = data.draw(st.sampled_from(["random", "length", "dtype", "huge"]))
     if kind == "random":
         method = data.draw(st.sampled_from(["Push", "Pull", "Hello"]))
@@ -177,16 +204,19 @@ def test_server_survives_malformed_requests(module_server, data):
         method = "Push"
         key = data.draw(st.integers(100, 2**40))
         if kind == "length":
-            h = header_bytes(key=key, length=data.draw(st.integers(0, 50)))
+            h = header_bytes(sid, key=key, length=data.draw(st.integers(0, 50)))
             payload = b"\0" * data.draw(st.integers(0, 50))
         elif kind == "dtype":
             h = header_bytes(
-                key=key, length=1, dtype=data.draw(st.integers(7, 2**31 - 1))
+                sid,
+                key=key,
+                length=1,
+                dtype=data.draw(st.integers(7, 2**31 - 1)),
             )
             payload = b"\0" * 4
         else:
             h = header_bytes(
-                key=key, length=data.draw(st.integers(2**40, 2**63))
+                sid, key=key, length=data.draw(st.integers(2**40, 2**63))
             )
             payload = b"\0" * 8
         raw = _codec.encode_push(h, payload, 0)

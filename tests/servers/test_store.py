@@ -1,5 +1,7 @@
 """The summation store, without gRPC."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -281,7 +283,9 @@ def test_reused_accumulator_never_overwrites_a_waiting_round():
     push(store, 1, 0, 1, 2 * x)
     raw_pull(store, 1, 0, 0, x)
     push(store, 1, 1, 0, x)
-    store.expire(now=1e12)  # round 1 times out: rounds up to 1 are done
+    # round 1 times out (rounds up to 1 are done); round 0, complete, is
+    # kept for rank 1 until a round timeout after its deadline
+    store.expire(now=time.monotonic() + 1.2)
     push(store, 1, 2, 0, x)
     push(store, 1, 2, 1, x)
     push(store, 1, 3, 0, 10 * x)

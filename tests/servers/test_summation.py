@@ -11,10 +11,11 @@ from jaxps.servers import _codec, _summation, _wire
 from jaxps.servers import jaxps_pb2 as pb
 
 
-def header(rank, array, rnd=0, key=5, job_id="job", version=None):
+def header(rank, array, rnd=0, key=5, job_id="job", version=None, session=None):
     return types.SimpleNamespace(
         version=_wire.PROTOCOL_VERSION if version is None else version,
         job_id=job_id,
+        session=SESSIONS.get(job_id, "") if session is None else session,
         rank=rank,
         key=key,
         round=rnd,
@@ -22,6 +23,29 @@ def header(rank, array, rnd=0, key=5, job_id="job", version=None):
         length=array.size,
         name="w",
     )
+
+
+#: the session the last `join` gave, per job id (headers default to it)
+SESSIONS: dict[str, str] = {}
+
+
+def hello(core, rank, job_id="job", init_id=None, session="", **kw):
+    h = types.SimpleNamespace(
+        version=_wire.PROTOCOL_VERSION,
+        job_id=job_id,
+        rank=rank,
+        session=session,
+    )
+    init_id = init_id or f"init-of-{rank}"
+    return core.hello(h, core.num_workers, init_id=init_id, **kw).id
+
+
+def join(core, job_id="job", **kw):
+    """Every rank says hello; returns (and remembers) their session."""
+    ids = {hello(core, r, job_id, **kw) for r in range(core.num_workers)}
+    assert len(ids) == 1, ids
+    SESSIONS[job_id] = ids.pop()
+    return SESSIONS[job_id]
 
 
 def run(coro):
@@ -32,6 +56,7 @@ def run(coro):
 def test_push_then_pull_raw_and_encoded(async_mode):
     async def main():
         core = _summation.Summation(2, async_mode=async_mode)
+        join(core)
         try:
             x = np.arange(6, dtype=np.float32)
             far = time.monotonic() + 10
@@ -58,6 +83,7 @@ def test_push_then_pull_raw_and_encoded(async_mode):
 def test_pull_returns_when_the_last_rank_pushes():
     async def main():
         core = _summation.Summation(2)
+        join(core)
         try:
             x = np.ones(4, np.float32)
             far = time.monotonic() + 10
@@ -78,6 +104,7 @@ def test_pull_returns_when_the_last_rank_pushes():
 def test_pull_deadline_names_the_missing_ranks():
     async def main():
         core = _summation.Summation(3)
+        join(core)
         try:
             x = np.ones(2, np.float32)
             await core.push(header(1, x), x.tobytes(), 0)
@@ -91,28 +118,172 @@ def test_pull_deadline_names_the_missing_ranks():
     run(main())
 
 
-def test_header_checks_adopt_the_first_job_id():
-    core = _summation.Summation(2)
+def test_header_checks():
+    core = _summation.Summation(2, job_id="a")
     try:
         x = np.ones(1, np.float32)
+        join(core, "a")
         core.check_header(header(0, x, job_id="a"))
-        assert core.job_id == "a"
         with pytest.raises(_wire.Rejected, match="unknown job_id 'b'") as e:
-            core.check_header(header(0, x, job_id="b"))
+            hello(core, 0, "b")
         assert e.value.code == "PERMISSION_DENIED"
+        assert "'a'" not in e.value.message  # another job's id stays secret
         with pytest.raises(_wire.Rejected, match="version mismatch"):
             core.check_header(header(0, x, job_id="a", version=1))
         with pytest.raises(_wire.Rejected, match="rank 2 out of range"):
             core.check_rank(2)
         with pytest.raises(_wire.Rejected, match="wrong num_workers"):
             core.hello(header(0, x, job_id="a"), 3)
+        with pytest.raises(_wire.Rejected, match="is unknown") as e:
+            core.check_header(header(0, x, job_id="a", session="nope"))
+        assert e.value.code == "FAILED_PRECONDITION"
     finally:
         core.close()
+
+
+def test_a_rejected_hello_locks_nothing():
+    core = _summation.Summation(2)
+    try:
+        h = types.SimpleNamespace(
+            version=_wire.PROTOCOL_VERSION, job_id="evil", rank=0, session=""
+        )
+        with pytest.raises(_wire.Rejected, match="wrong num_workers"):
+            core.hello(h, 99)
+        assert len(core.jobs) == 0
+        join(core, "real")  # the real job is served
+        assert [s.job_id for s in core.jobs] == ["real"]
+    finally:
+        core.close()
+
+
+def test_jobs_and_inits_are_separate_namespaces():
+    async def main():
+        core = _summation.Summation(2)
+        try:
+            x = np.ones(2, np.float32)
+            far = time.monotonic() + 10
+
+            async def step(job, rnd, scale, pullers=(0, 1)):
+                for r in range(2):
+                    h = header(r, x, rnd=rnd, job_id=job)
+                    await core.push(h, (scale * x).tobytes(), scale)
+                for r in pullers:
+                    h = header(r, x, rnd=rnd, job_id=job)
+                    total = await core.pull(h, deadline=far, raw=True)
+                return total.copy()
+
+            first = join(core, "j")
+            for rnd in range(3):
+                await step("j", rnd, 1.0, pullers=(0, 1) if rnd < 2 else (0,))
+            join(core, "other")  # another job at the same time: its own keys
+            np.testing.assert_array_equal(await step("other", 0, 5.0), 10 * x)
+            # A new init of job "j" (new init ids) starts a new incarnation:
+            # round 0 again, and never the old sum.
+            second = join(core, "j", init_id="again")
+            assert second != first
+            np.testing.assert_array_equal(await step("j", 0, 3.0), 6 * x)
+            # the old incarnation still answers its own stragglers
+            h = header(1, x, rnd=2, job_id="j", session=first)
+            total = await core.pull(h, deadline=far, raw=True)
+            np.testing.assert_array_equal(total, 2 * x)
+        finally:
+            core.close()
+
+    run(main())
+
+
+def test_same_init_joins_and_reconnects_keep_the_session():
+    core = _summation.Summation(2)
+    try:
+        sid = hello(core, 0, init_id="w0")
+        assert hello(core, 0, init_id="w0") == sid  # a second channel
+        assert hello(core, 1, init_id="w1") == sid
+        assert hello(core, 1, init_id="w1", session=sid) == sid  # reconnect
+        with pytest.raises(_wire.Rejected, match="two workers claim"):
+            hello(core, 1, init_id="intruder", session=sid)
+    finally:
+        core.close()
+
+
+def test_sessions_are_freed_by_bye_and_by_idling():
+    async def main():
+        core = _summation.Summation(2, round_timeout=1.0, idle_timeout=5.0)
+        try:
+            x = np.ones(1000, np.float32)
+            sid = join(core)
+            for r in range(2):
+                await core.push(header(r, x), x.tobytes(), 0)
+            assert core.jobs.num_keys == 1 and core.budget.held > 0
+            core.bye(header(0, x))
+            assert len(core.jobs) == 1  # rank 1 is still in it
+            core.bye(header(1, x))
+            assert len(core.jobs) == 0 and core.budget.held == 0
+            with pytest.raises(_wire.Rejected, match="is unknown"):
+                core.check_header(header(0, x, session=sid))
+            # superseded by a newer init, then idle a round timeout: freed
+            old = join(core, init_id="a")
+            join(core, init_id="b")
+            now = time.monotonic()
+            core.jobs.expire(now + 0.5)
+            assert old in {s.id for s in core.jobs}
+            core.jobs.expire(now + 1.5)
+            assert old not in {s.id for s in core.jobs}
+            # the current one, idle past idle_timeout, drops its keys only
+            for r in range(2):
+                await core.push(header(r, x), x.tobytes(), 0)
+            assert core.jobs.num_keys == 1
+            core.jobs.expire(time.monotonic() + 6.0)
+            assert core.jobs.num_keys == 0 and len(core.jobs) == 1
+            assert core.budget.held == 0
+            # and takes up its rounds again where the workers are
+            for r in range(2):
+                await core.push(header(r, x, rnd=7), x.tobytes(), 0)
+            far = time.monotonic() + 5
+            total = await core.pull(header(0, x, rnd=7), deadline=far, raw=True)
+            np.testing.assert_array_equal(total, 2 * x)
+        finally:
+            core.close()
+
+    run(main())
+
+
+def test_memory_cap_names_itself():
+    async def main():
+        core = _summation.Summation(1, max_memory=1 << 20)
+        join(core)
+        try:
+            x = np.ones(1 << 18, np.float32)  # 1 MiB: one accumulator fits
+            await core.push(header(0, x, key=1), x.tobytes(), 0)
+            with pytest.raises(_wire.Rejected, match="--max-memory 1 MiB") as e:
+                await core.push(header(0, x, key=2), x.tobytes(), 0)
+            assert e.value.code == "RESOURCE_EXHAUSTED"
+        finally:
+            core.close()
+
+    run(main())
+
+
+def test_pull_answers_at_the_workers_timeout_naming_the_missing_rank():
+    async def main():
+        core = _summation.Summation(2, round_timeout=60.0)
+        join(core, timeout=0.2)
+        try:
+            x = np.ones(2, np.float32)
+            await core.push(header(0, x), x.tobytes(), 0)
+            t0 = time.monotonic()
+            with pytest.raises(_wire.Rejected, match=r"rank\(s\) \[1\]"):
+                await core.pull(header(0, x), deadline=t0 + 30)
+            assert time.monotonic() - t0 < 2.0
+        finally:
+            core.close()
+
+    run(main())
 
 
 def test_pull_into_a_buffer():
     async def main():
         core = _summation.Summation(1)
+        join(core)
         try:
             x = np.arange(3, dtype=np.float32)
             await core.push(header(0, x), x.tobytes(), 0)
@@ -132,7 +303,8 @@ def test_codec_reply_is_the_store_encoding():
     core = _summation.Summation(1)
     try:
         total = np.ones(2, np.float32)
-        assert core.store.encode(total) == _codec.encode_pull_reply(
+        store = core.jobs.hello("job", 0, "", "w").store
+        assert store.encode(total) == _codec.encode_pull_reply(
             core.incarnation, total
         )
     finally:

@@ -1,0 +1,272 @@
+"""The jobs a server serves, each as a series of incarnations (sessions).
+
+A server outlives jobs. Every `jaxps.init` of a job starts or joins one
+*session*: a namespace of keys, rounds and shared-memory segments that no
+other job, and no other init of the same job, shares. So a second job
+against the same servers, or a re-init in one process that reuses names,
+never sees the rounds or sums of the first.
+
+Agreement comes through the server, without a coordinator: a worker's first
+Hello joins the session of its job that is forming (one its rank is not in
+yet), or starts a new one. Other channels of the same worker name the same
+`init_id`; a reconnect names the session it was given.
+
+A session is freed when every rank said Bye, or when it was superseded by a
+newer one of its job and then idle for a round timeout; an idle session
+drops its keys and rounds after ``idle_timeout``. Nothing else is kept per
+job, so a server's memory is that of its live sessions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import time
+from collections.abc import Callable
+
+from . import _shm, _wire
+from ._store import PushPullStore
+
+log = logging.getLogger("jaxps.server")
+
+#: Most sessions a server keeps at once (live or superseded).
+MAX_SESSIONS = 64
+
+
+@dataclasses.dataclass
+class Member:
+    """A rank in a session: the init it belongs to and its pull timeout."""
+
+    init_id: str
+    timeout: float = 0.0  # seconds the worker waits for a sum; 0: unknown
+
+
+class Session:
+    """One incarnation of a job: its store, segments and members."""
+
+    def __init__(self, sid: str, job_id: str, store: PushPullStore, now):
+        self.id = sid
+        self.job_id = job_id
+        self.store = store
+        self.segments = _shm.Segments()
+        self.members: dict[int, Member] = {}
+        self.left: set[int] = set()
+        self.last_seen = now
+        #: when a newer session of the job started (None: it is current)
+        self.superseded: float | None = None
+
+    def label(self) -> str:
+        return f"job {self.job_id!r} incarnation {self.id}"
+
+
+class Jobs:
+    """The sessions of every job a server serves.
+
+    Args:
+      num_workers: ranks per job.
+      make_store: returns a new, empty store for a session.
+      job_id: the only job served (``--job-id``); None serves any job.
+      round_timeout: the stores' round timeout (a superseded session is
+        freed once idle this long).
+      idle_timeout: a session idle this long drops its keys and rounds.
+      max_sessions: most sessions kept at once.
+    """
+
+    def __init__(
+        self,
+        num_workers: int,
+        make_store: Callable[[], PushPullStore],
+        *,
+        job_id: str | None = None,
+        round_timeout: float = 60.0,
+        idle_timeout: float = 600.0,
+        max_sessions: int = MAX_SESSIONS,
+    ):
+        self.num_workers = num_workers
+        self.job_id = job_id
+        self._make_store = make_store
+        self.round_timeout = round_timeout
+        self.idle_timeout = max(idle_timeout, round_timeout)
+        self.max_sessions = max_sessions
+        self._sessions: dict[str, Session] = {}
+        self._current: dict[str, Session] = {}  # job id -> forming session
+        # counters of freed sessions, so the metrics never go back
+        self._retired = dict(bytes_summed=0, rounds_completed=0)
+
+    # -- checks ------------------------------------------------------------
+
+    def check_job(self, job_id: str) -> None:
+        """Refuses a job other than ``--job-id`` (without naming it)."""
+        if self.job_id is not None and job_id != self.job_id:
+            raise _wire.Rejected(
+                "PERMISSION_DENIED",
+                f"unknown job_id {job_id!r}: this server was started with "
+                "--job-id for another job.",
+            )
+
+    def get(
+        self, job_id: str, sid: str, rank: int, now: float | None = None
+    ) -> Session:
+        """The session a request names; raises if it is unknown, another
+        job's, or `rank` never said Hello in it."""
+        s = self._sessions.get(sid)
+        if s is None or s.job_id != job_id:
+            self.check_job(job_id)
+            raise _wire.Rejected(
+                "FAILED_PRECONDITION",
+                f"job incarnation {sid!r} of job {job_id!r} is unknown to "
+                "this server: it ended (every rank said Bye, or a newer "
+                "init of the job replaced it) or the server restarted; say "
+                "Hello first.",
+            )
+        if rank not in s.members:
+            raise _wire.Rejected(
+                "FAILED_PRECONDITION",
+                f"rank {rank} has not said Hello in {s.label()}.",
+            )
+        s.last_seen = time.monotonic() if now is None else now
+        return s
+
+    # -- hello and bye -----------------------------------------------------
+
+    def hello(
+        self,
+        job_id: str,
+        rank: int,
+        sid: str,
+        init_id: str,
+        timeout: float = 0.0,
+        now: float | None = None,
+    ) -> Session:
+        """The session of a checked Hello (see the module docstring)."""
+        self.check_job(job_id)
+        now = time.monotonic() if now is None else now
+        if sid:  # a reconnect: the session it was given
+            s = self._sessions.get(sid)
+            if s is None or s.job_id != job_id:
+                self.get(job_id, sid, rank, now)  # raises: unknown
+            s.last_seen = now
+            return self._join(s, rank, init_id, timeout)
+        s = self._current.get(job_id)
+        if s is not None:
+            member = s.members.get(rank)
+            if member is None or member.init_id == init_id:
+                s.last_seen = now
+                return self._join(s, rank, init_id, timeout)
+        return self._join(self._start(job_id, now), rank, init_id, timeout)
+
+    def _join(self, s: Session, rank, init_id, timeout) -> Session:
+        member = s.members.get(rank)
+        if member is not None and member.init_id != init_id:
+            raise _wire.Rejected(
+                "FAILED_PRECONDITION",
+                f"rank {rank} of {s.label()} belongs to another worker "
+                "process: two workers claim the same rank.",
+            )
+        s.members[rank] = Member(init_id, float(timeout))
+        s.left.discard(rank)
+        return s
+
+    def _start(self, job_id: str, now: float) -> Session:
+        if len(self._sessions) >= self.max_sessions:
+            self.expire(now)
+        if len(self._sessions) >= self.max_sessions:
+            raise _wire.Rejected(
+                "RESOURCE_EXHAUSTED",
+                f"this server holds {len(self._sessions)} job incarnations "
+                "(the most it keeps) and none has been idle for "
+                f"{self.round_timeout:g} s; wait for a job to end.",
+            )
+        old = self._current.get(job_id)
+        if old is not None:
+            old.superseded = now
+        s = Session(secrets.token_hex(8), job_id, self._make_store(), now)
+        self._sessions[s.id] = s
+        self._current[job_id] = s
+        log.info("%s started", s.label())
+        return s
+
+    def bye(self, s: Session, rank: int) -> None:
+        """`rank` left; frees the session once every member has."""
+        s.left.add(rank)
+        if s.left >= set(s.members):
+            self.free(s, "every rank said Bye")
+
+    def free(self, s: Session, why: str) -> None:
+        """Drops a session's keys, rounds and segments."""
+        if self._sessions.pop(s.id, None) is None:
+            return
+        if self._current.get(s.job_id) is s:
+            del self._current[s.job_id]
+        self._retire(s.store)
+        s.segments.close()
+        log.info("%s freed: %s", s.label(), why)
+
+    def _retire(self, store: PushPullStore) -> None:
+        self._retired["bytes_summed"] += store.bytes_summed
+        self._retired["rounds_completed"] += store.rounds_completed
+        store.close()
+
+    # -- expiry ------------------------------------------------------------
+
+    def expire(self, now: float | None = None) -> int:
+        """Fails late rounds and frees idle sessions; returns how many
+        rounds failed."""
+        now = time.monotonic() if now is None else now
+        failed = 0
+        for s in list(self._sessions.values()):
+            idle = now - s.last_seen
+            if s.superseded is not None and idle >= self.round_timeout:
+                self.free(s, "a newer init of the job replaced it")
+                continue
+            failed += s.store.expire(now)
+            if idle >= self.idle_timeout and s.store.num_keys:
+                self._retire(s.store)
+                s.store = self._make_store()
+                log.info(
+                    "%s idle for %.0f s: its keys were dropped", s.label(), idle
+                )
+        return failed
+
+    def close(self) -> None:
+        for s in list(self._sessions.values()):
+            self.free(s, "the server is stopping")
+
+    # -- metrics (summed over sessions) -------------------------------------
+
+    def __iter__(self):
+        return iter(list(self._sessions.values()))
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def bytes_summed(self) -> int:
+        return self._retired["bytes_summed"] + sum(
+            s.store.bytes_summed for s in self
+        )
+
+    @property
+    def rounds_completed(self) -> int:
+        return self._retired["rounds_completed"] + sum(
+            s.store.rounds_completed for s in self
+        )
+
+    @property
+    def last_round_by_rank(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for s in self:
+            for rank, rnd in s.store.last_round_by_rank.items():
+                out[rank] = max(rnd, out.get(rank, -1))
+        return out
+
+    @property
+    def num_keys(self) -> int:
+        return sum(s.store.num_keys for s in self)
+
+    def pending_pulls(self) -> int:
+        return sum(s.store.pending_pulls() for s in self)
+
+    def pending_rounds(self) -> int:
+        return sum(s.store.pending_rounds() for s in self)
