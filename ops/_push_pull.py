@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -36,6 +38,10 @@ def push_pull(
     device axis as `axis_name`: the leaves are first reduce-scattered over
     the local devices, each device pushes its own shard, and the sums are
     all-gathered back, so every device ends up with the global result.
+
+    Empty leaves (a zero in their shape) come back as they are, without
+    any traffic. A leaf's name includes its shape and dtype, so a new shape
+    (a last, smaller batch) is a new tensor on the wire, not an error.
 
     Args:
       tree: a pytree of arrays (float32, float64, float16, bfloat16, int32,
@@ -81,19 +87,34 @@ def push_pull(
                 f"push_pull of {n}: average=True needs a floating "
                 "dtype; pass average=False to sum integers."
             )
-    if axis_name is None:
-        outs = _primitive.bind(
-            leaves,
-            jnp.int32(0),
-            names=names,
-            average=average,
-            priorities=priorities,
-            mode=mode,
-        )
-    else:
-        outs = _hierarchical(
-            leaves, names, priorities, axis_name, average, runtime.size, mode
-        )
+    # empty leaves have nothing to sum: they come back as they are
+    outs = [jnp.asarray(leaf) for leaf in leaves]
+    live = [i for i, leaf in enumerate(leaves) if math.prod(jnp.shape(leaf))]
+    if live:
+        live_leaves = [leaves[i] for i in live]
+        live_names = tuple(names[i] for i in live)
+        live_priorities = tuple(priorities[i] for i in live)
+        if axis_name is None:
+            sums = _primitive.bind(
+                live_leaves,
+                jnp.int32(0),
+                names=live_names,
+                average=average,
+                priorities=live_priorities,
+                mode=mode,
+            )
+        else:
+            sums = _hierarchical(
+                live_leaves,
+                live_names,
+                live_priorities,
+                axis_name,
+                average,
+                runtime.size,
+                mode,
+            )
+        for i, out in zip(live, sums):
+            outs[i] = out
     return jax.tree_util.tree_unflatten(treedef, outs)
 
 

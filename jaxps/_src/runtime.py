@@ -8,7 +8,8 @@ along the plan, and each piece queued as a chunk with the sender
 within a credit. The chunk's transport (`transport`) brings its sum back
 into the output, and the push_pull's `Handle` hears when all are back.
 Each call says what it expects of the servers (`MODES`: sums, or async
-parameters).
+parameters); empty arrays send nothing; a name that comes with a new size
+or dtype gets new keys (a generation, see `Runtime._begin`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import secrets
 import threading
 from collections.abc import Sequence
 
@@ -144,6 +146,9 @@ class Runtime:
         self._channels = channels_per_server
         self._lock = threading.Lock()
         self._rounds: dict[str, int] = {}
+        # name -> its (size, dtype) signatures in order of first use; the
+        # index of a signature is its generation (see `_begin`)
+        self._signatures: dict[str, list[tuple[int, str]]] = {}
         self._in_flight: set[str] = set()
         self._seq = itertools.count()
         self._plans: dict = {}
@@ -171,12 +176,16 @@ class Runtime:
             for s in addresses
             for _ in range(channels_per_server)
         ]
+        # One id for this init: the servers put this worker's channels in
+        # one job incarnation, and a later init of the rank in a new one.
+        init_id = secrets.token_hex(8)
         try:
             for c in clients:
                 c.hello(
                     job_id=config.job_id,
                     rank=config.worker_rank,
                     num_workers=config.num_workers,
+                    init_id=init_id,
                 )
         except BaseException:
             for c in clients:
@@ -263,6 +272,11 @@ class Runtime:
     ) -> Handle:
         """Starts summing `arrays` over all workers; returns a `Handle`.
 
+        Empty arrays come back empty (their shape and dtype) and send
+        nothing. A name may come with another size or dtype than in its
+        last push_pull: the new signature gets keys of its own (see
+        `_begin`).
+
         Args:
           names: one unique name per array, the same on every worker.
           arrays: numpy arrays of a supported dtype.
@@ -285,7 +299,8 @@ class Runtime:
             flats.append(np.ascontiguousarray(array).reshape(-1))
         shapes = [np.shape(a) for a in arrays]
         timeout = 2 * pull_deadline(self.config.timeout)
-        if not self._transports:  # a single worker without servers
+        live = [i for i, f in enumerate(flats) if f.size]
+        if not self._transports or not live:  # one worker, or nothing to send
             outs = [f.copy() for f in flats]
             return Handle(
                 list(names),
@@ -298,9 +313,20 @@ class Runtime:
             )
         if priorities is None:
             priorities = [-i for i in range(len(names))]
-        pieces = self._plan(names, flats, tuple(priorities))
-        laid_out, outs = plan.buffers(pieces, flats)
-        rounds = self._begin(names, [p.wire_name for p in pieces])
+        live_flats = [flats[i] for i in live]
+        wire_names = self._begin(names, [names[i] for i in live], live_flats)
+        try:
+            pieces = self._plan(
+                wire_names, live_flats, tuple(priorities[i] for i in live)
+            )
+            laid_out, live_outs = plan.buffers(pieces, live_flats)
+            rounds = self._next_rounds([p.wire_name for p in pieces])
+        except BaseException:
+            self._end(names)
+            raise
+        outs = [f[:0].copy() for f in flats]  # the empty ones stay empty
+        for i, out in zip(live, live_outs):
+            outs[i] = out
         divisor = self.size if average else None
         handle = Handle(
             list(names),
@@ -357,8 +383,17 @@ class Runtime:
             self._plans[sig] = pieces
         return pieces
 
-    def _begin(self, names, wire_names) -> dict[str, int]:
-        """Marks `names` in flight; returns the round of each wire name."""
+    def _begin(self, names, live_names, live_flats) -> list[str]:
+        """Marks `names` in flight; returns the wire names of the live ones.
+
+        The plan derives a tensor's keys from its wire name. A name keeps
+        its wire name while its (size, dtype) stays the same; each new
+        (size, dtype) of a name is a new generation g with wire name
+        ``f"{name}#{g}"`` (generation 0 is the name itself), so it gets
+        keys of its own whose rounds start at 0, and a signature seen
+        before goes back to its keys and their rounds. Every worker makes
+        the same calls in the same order, so all agree on the generations.
+        """
         with self._lock:
             busy = self._in_flight.intersection(names)
             if busy:
@@ -367,6 +402,19 @@ class Runtime:
                     "for it before pushing the same name again."
                 )
             self._in_flight.update(names)
+            wire_names = []
+            for name, flat in zip(live_names, live_flats):
+                seen = self._signatures.setdefault(name, [])
+                signature = (flat.size, flat.dtype.str)
+                if signature not in seen:
+                    seen.append(signature)
+                gen = seen.index(signature)
+                wire_names.append(f"{name}#{gen}" if gen else name)
+            return wire_names
+
+    def _next_rounds(self, wire_names) -> dict[str, int]:
+        """The round of each wire name (each counts once per push_pull)."""
+        with self._lock:
             rounds = {}
             for wire in wire_names:
                 if wire not in rounds:
@@ -439,11 +487,6 @@ def _check_array(name: str, array: np.ndarray, average: bool) -> None:
         _wire.dtype_code(array.dtype)
     except TypeError as err:
         raise TypeError(f"push_pull of {name!r}: {err}") from None
-    if array.size == 0:
-        raise ValueError(
-            f"push_pull of {name!r}: the array is empty (shape "
-            f"{array.shape}); nothing to sum."
-        )
     if average and array.dtype.kind in "iu":
         raise TypeError(
             f"push_pull of {name!r}: average=True needs a floating dtype, "

@@ -1,0 +1,161 @@
+"""Collective semantics of the JAX API with two real workers (issue 13).
+
+`test_semantics_with_two_workers` starts a server and runs this file once
+per rank (``python test_semantics.py NAME...``); each ``check_NAME`` asserts
+against every rank's (deterministic) contribution and prints ``ok NAME``.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+CHECKS = ["empty", "shape_change"]
+
+
+@pytest.mark.timeout(120)
+def test_semantics_with_two_workers(start_servers, tmp_path):
+    (server,) = start_servers(1, 2, "--round-timeout", "30")
+    env = dict(
+        os.environ,
+        JAXPS_SERVERS=server.address,
+        JAXPS_NUM_WORKERS="2",
+        JAXPS_TIMEOUT="30",
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), *CHECKS],
+            env=dict(env, JAXPS_WORKER_RANK=str(rank)),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=100)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {rank} failed:\n{out}"
+        for name in CHECKS:
+            assert f"ok {name}" in out, f"rank {rank}: {name} missing:\n{out}"
+
+
+# --- the worker side: run as a script, one process per rank ---------------
+
+
+def _contribution(rank, shape, step=0, dtype="float32"):
+    import numpy as np
+
+    size = int(np.prod(shape))
+    return (np.arange(size).reshape(shape) % 7 + 10 * rank + step).astype(dtype)
+
+
+def _total(shape, step=0, dtype="float32"):
+    import jaxps
+
+    return sum(
+        _contribution(r, shape, step, "float64") for r in range(jaxps.size())
+    ).astype(dtype)
+
+
+def check_empty():
+    """Empty leaves come back empty, beside leaves that are summed."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxps
+
+    r = jaxps.rank()
+    tree = {
+        "a": jnp.zeros((0,)),
+        "b": jnp.zeros((3, 0), jnp.int32),
+        "c": jnp.asarray(_contribution(r, (5,))),
+        "d": [jnp.zeros((2, 0, 4), jnp.float16)],
+    }
+    eager = lambda t: jaxps.push_pull(t, average=False, name="empty")  # noqa: E731
+    jitted = jax.jit(lambda t: jaxps.push_pull(t, average=False, name="ej"))
+    for f in (eager, jitted, jitted):
+        out = f(tree)
+        assert jax.tree.structure(out) == jax.tree.structure(tree)
+        for got, leaf in zip(jax.tree.leaves(out), jax.tree.leaves(tree)):
+            assert (got.shape, got.dtype) == (leaf.shape, leaf.dtype)
+        np.testing.assert_array_equal(out["c"], _total((5,)))
+    # grad through a push_pull with an empty leaf
+    floats = {"a": tree["a"], "c": tree["c"]}
+
+    def loss(t):
+        return jnp.sum(jaxps.push_pull(t, average=False, name="eg")["c"])
+
+    g = jax.jit(jax.grad(loss))(floats)
+    np.testing.assert_array_equal(g["c"], jaxps.size())
+    assert g["a"].shape == (0,)
+    # inside pmap over the local devices, with axis_name
+    x = np.stack([_contribution(r, (6,), step=d) for d in range(4)])
+    out = jax.pmap(
+        lambda v: jaxps.push_pull(
+            {"e": jnp.zeros((0, 3)), "x": v},
+            average=False,
+            axis_name="i",
+            name="epm",
+        ),
+        axis_name="i",
+    )(x)
+    assert out["e"].shape == (4, 0, 3)
+    expected = sum(_total((6,), step=d) for d in range(4))
+    np.testing.assert_array_equal(np.asarray(out["x"][0]), expected)
+    got = jaxps.push_pull_numpy("np_empty", np.zeros((2, 0), np.float64))
+    assert (got.shape, got.dtype) == ((2, 0), np.float64)
+
+
+def check_shape_change():
+    """A name's shape changes between rounds: exact sums each round."""
+    import jax
+    import numpy as np
+
+    import jaxps
+
+    r = jaxps.rank()
+    # push_pull_numpy: a last, smaller batch, then the full size again
+    for step, size in enumerate([1000, 1000, 300, 1000, 7]):
+        got = jaxps.push_pull_numpy(
+            "batch", _contribution(r, (size,), step), average=False
+        )
+        np.testing.assert_array_equal(got, _total((size,), step))
+    for step, dtype in enumerate(["float32", "float64", "int32", "float32"]):
+        got = jaxps.push_pull_numpy(
+            "dtype", _contribution(r, (9,), step, dtype), average=False
+        )
+        assert got.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(got, _total((9,), step, dtype))
+    # jax: one compiled function, retraced for each new shape
+    f = jax.jit(lambda t: jaxps.push_pull(t, average=False, name="shape"))
+    for step, shape in enumerate([(4, 3), (2, 3), (4, 3), (5,)]):
+        out = f({"x": _contribution(r, shape, step)})
+        np.testing.assert_array_equal(out["x"], _total(shape, step))
+
+
+def main(names):
+    import jaxps
+
+    jaxps.init()
+    try:
+        for name in names:
+            globals()[f"check_{name}"]()
+            print(f"ok {name}", flush=True)
+    finally:
+        jaxps.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
