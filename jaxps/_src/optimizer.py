@@ -33,6 +33,8 @@ def _check_passes(k):
 def _every_kth(k, updates, acc, mini_step, run, carry):
     """Sums `updates` into `acc`; every k-th call runs `run(acc / k, carry)`.
 
+    `run` gets the mean of the k mini-steps' updates, not their sum.
+
     One `lax.cond` gates `run` (and so the push_pull in it). Returns
     ``(out, carry, acc, mini_step)``; between runs `out` is zeros and `carry`
     is unchanged.
@@ -62,16 +64,23 @@ def sync_gradients(
     """Replaces the gradients by their mean (or sum) over all workers.
 
     A chainable transformation: each `update` push_pulls the gradients to
-    the summation servers. With ``backward_passes_per_step=k`` the gradients
-    of k updates are summed locally and their mean is communicated once, on
-    every k-th update; the updates in between are zeros. An optimizer
-    chained after it still steps on those zeros (a stateful one changes its
-    state); `DistributedOptimizer(inner, backward_passes_per_step=k)` skips
-    `inner` instead.
+    the summation servers. With ``backward_passes_per_step=k`` the
+    gradients of k updates are averaged locally (their sum divided by k, as
+    `optax.MultiSteps` does by default) and that mean is communicated once,
+    on every k-th update; the updates in between are zeros. With
+    ``average=True`` the result is the mean over all k passes of all
+    workers: for a loss that is a mean over the batch, k mini-batches of b
+    examples step like one batch of k*b.
+    (Horovod's default sums the k passes instead; multiply the learning
+    rate by k for the same steps.) An optimizer chained after it still
+    steps on those zeros (a stateful one changes its state);
+    `DistributedOptimizer(inner, backward_passes_per_step=k)` skips `inner`
+    instead.
 
     Args:
       average: average (rather than sum) the gradients over workers.
-      backward_passes_per_step: local accumulation steps per communication.
+      backward_passes_per_step: local accumulation steps per communication;
+        their gradients are averaged.
       axis_name: the shard_map / pmap axis of the local devices, if any.
       name: push_pull name of the gradients (unique per transformation).
       compression: a `jaxps.compression` scheme for the wire (it averages).
@@ -144,14 +153,21 @@ def DistributedOptimizer(  # noqa: N802 - the name users know from BytePS
     ``optax.chain(sync_gradients(...), inner)``: each `update` push_pulls
     the gradients to the summation servers and hands the result to `inner`;
     servers only sum, the optimizer runs here. With
-    ``backward_passes_per_step=k`` the gradients of k updates are summed
-    locally and that chain runs once, on their mean, on every k-th update;
-    the updates in between are zero and leave `inner`'s state untouched.
+    ``backward_passes_per_step=k`` the gradients of k updates are averaged
+    locally (their sum divided by k, as `optax.MultiSteps` does by default)
+    and that chain runs once, on every k-th update, on those local means
+    averaged (or, with ``average=False``, summed) over the workers; the
+    updates in between are zero and leave `inner`'s state untouched. For
+    a loss that is a mean over the batch, k mini-batches of b examples
+    then step like one batch of k*b, with the same learning rate.
+    (Horovod's default sums the k passes instead; multiply the learning
+    rate by k for the same steps.)
 
     Args:
       inner: the optimizer to run on the synchronized gradients.
       average: average (rather than sum) the gradients over workers.
-      backward_passes_per_step: local accumulation steps per communication.
+      backward_passes_per_step: local accumulation steps per communication;
+        their gradients are averaged.
       axis_name: the shard_map / pmap axis of the local devices, if any.
       name: push_pull name of the gradients (unique per optimizer).
       compression: a `jaxps.compression` scheme for the wire (it averages).

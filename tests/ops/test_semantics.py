@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-CHECKS = ["empty", "shape_change"]
+CHECKS = ["empty", "shape_change", "accumulation"]
 
 
 @pytest.mark.timeout(120)
@@ -143,6 +143,74 @@ def check_shape_change():
     for step, shape in enumerate([(4, 3), (2, 3), (4, 3), (5,)]):
         out = f({"x": _contribution(r, shape, step)})
         np.testing.assert_array_equal(out["x"], _total(shape, step))
+
+
+def check_accumulation():
+    """backward_passes_per_step=k averages the k passes (then the workers).
+
+    The gradients are small integers and k, the number of workers and the
+    learning rate are powers of two, so the expected updates are exact.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import jaxps
+
+    n, r, lr = jaxps.size(), jaxps.rank(), 0.5
+
+    def grads(rank, step):
+        return {
+            "w": jnp.arange(3.0) + 4 * rank + step,
+            "b": jnp.float32(rank - 2 * step),
+        }
+
+    def mean_of(passes, ranks):
+        return jax.tree.map(
+            lambda *g: sum(g) / len(g),
+            *[grads(q, s) for q in ranks for s in passes],
+        )
+
+    params = {"w": jnp.zeros(3), "b": jnp.zeros(())}
+    cases = [
+        # (tx, k, the updates on each k-th step from its k passes)
+        *[
+            (
+                jaxps.DistributedOptimizer(
+                    optax.sgd(lr), backward_passes_per_step=k, name=f"acc{k}"
+                ),
+                k,
+                lambda passes: jax.tree.map(
+                    lambda g: -lr * g, mean_of(passes, range(n))
+                ),
+            )
+            for k in (2, 4)
+        ],
+        (  # average=False: the workers' sum of their local means
+            optax.chain(
+                jaxps.sync_gradients(
+                    average=False, backward_passes_per_step=2, name="accsum"
+                ),
+                optax.sgd(lr),
+            ),
+            2,
+            lambda passes: jax.tree.map(
+                lambda g: -lr * n * g, mean_of(passes, range(n))
+            ),
+        ),
+    ]
+    for tx, k, want in cases:
+        state = tx.init(params)
+        update = jax.jit(tx.update)
+        for step in range(2 * k):
+            updates, state = update(grads(r, step), state, params)
+            if (step + 1) % k:
+                for leaf in jax.tree.leaves(updates):
+                    np.testing.assert_array_equal(leaf, 0)
+                continue
+            expected = want(range(step + 1 - k, step + 1))
+            jax.tree.map(np.testing.assert_array_equal, updates, expected)
 
 
 def main(names):
