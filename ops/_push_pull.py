@@ -88,8 +88,8 @@ def push_pull(
                 "dtype; pass average=False to sum integers."
             )
     # empty leaves have nothing to sum: they come back as they are
-    outs = [jnp.asarray(leaf) for leaf in leaves]
-    live = [i for i, leaf in enumerate(leaves) if math.prod(jnp.shape(leaf))]
+    outs = [None if math.prod(jnp.shape(x)) else jnp.asarray(x) for x in leaves]
+    live = [i for i, out in enumerate(outs) if out is None]
     if live:
         live_leaves = [leaves[i] for i in live]
         live_names = tuple(names[i] for i in live)
