@@ -19,6 +19,7 @@ job, so a server's memory is that of its live sessions.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import secrets
@@ -32,6 +33,15 @@ log = logging.getLogger("jaxps.server")
 
 #: Most sessions a server keeps at once (live or superseded).
 MAX_SESSIONS = 64
+
+
+def _trim_heap() -> None:
+    """Hands freed heap memory back to the OS (glibc keeps it otherwise:
+    sums of a few MiB live on the heap once the mmap threshold has grown)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 @dataclasses.dataclass
@@ -202,6 +212,7 @@ class Jobs:
         self._retire(s.store)
         s.segments.close()
         log.info("%s freed: %s", s.label(), why)
+        _trim_heap()
 
     def _retire(self, store: PushPullStore) -> None:
         self._retired["bytes_summed"] += store.bytes_summed
@@ -224,6 +235,7 @@ class Jobs:
             if idle >= self.idle_timeout and s.store.num_keys:
                 self._retire(s.store)
                 s.store = self._make_store()
+                _trim_heap()
                 log.info(
                     "%s idle for %.0f s: its keys were dropped", s.label(), idle
                 )

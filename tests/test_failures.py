@@ -38,7 +38,7 @@ WORKER = textwrap.dedent(
 )
 
 
-def start_worker(tmp_path, servers, rank, n, transport="auto"):
+def start_worker(tmp_path, servers, rank, n, transport="auto", timeout=TIMEOUT):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     env = dict(
@@ -46,7 +46,7 @@ def start_worker(tmp_path, servers, rank, n, transport="auto"):
         JAXPS_SERVERS=",".join(s.address for s in servers),
         JAXPS_NUM_WORKERS=str(n),
         JAXPS_WORKER_RANK=str(rank),
-        JAXPS_TIMEOUT=str(TIMEOUT),
+        JAXPS_TIMEOUT=str(timeout),
         JAXPS_TRANSPORT=transport,
     )
     return subprocess.Popen(
@@ -100,6 +100,36 @@ def test_killed_worker_is_named_by_survivors(
             )
             assert float(at) - killed_at < 2 * TIMEOUT, line
             assert procs[rank].wait(10) == 3
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+            p.stdout.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["shm", "tcp", "grpc"])
+def test_killed_worker_is_named_under_the_servers_default_timeout(
+    start_servers, tmp_path, transport
+):
+    # Servers started by hand (default --round-timeout 60 s), workers with
+    # JAXPS_TIMEOUT=5: the servers answer at the worker's timeout.
+    servers = start_servers(1, 2)
+    procs = [
+        start_worker(tmp_path, servers, r, 2, transport, timeout=5.0)
+        for r in range(2)
+    ]
+    try:
+        for p in procs:
+            wait_for_line(p, "step 3")
+        procs[1].kill()
+        killed_at = time.time()
+        line = wait_for_line(procs[0], "ERROR", timeout=30)
+        _, kind, at, message = line.split(" ", 3)
+        print(f"rank 0 named rank 1 after {float(at) - killed_at:.2f} s")
+        assert kind == "RoundTimeoutError", line
+        assert "rank(s) [1]" in message, line
+        assert float(at) - killed_at < 10, line
     finally:
         for p in procs:
             p.kill()
