@@ -59,7 +59,7 @@ class Session:
         self.id = sid
         self.job_id = job_id
         self.store = store
-        self.segments = _shm.Segments()
+        self.segments = _shm.Segments(getattr(store, "budget", None))
         self.members: dict[int, Member] = {}
         self.left: set[int] = set()
         self.last_seen = now

@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from . import _auth, _data, _metrics, _service, _summation, _wire
+from . import _auth, _data, _fdpass, _metrics, _service, _summation, _wire
 
 log = logging.getLogger("jaxps.server")
 
@@ -122,6 +122,8 @@ class Server:
         await self.grpc_server.stop(grace)
         if self.servicer.data is not None:
             self.servicer.data.close()
+        if self.servicer.shm is not None:
+            self.servicer.shm.close()
         self.summation.close()
 
     async def _print_status(self, interval: float) -> None:
@@ -185,6 +187,7 @@ def create_server(opts: ServerOptions) -> Server:
         raise OSError(f"jaxps-server cannot bind {address}: {err}") from err
     if port == 0:
         raise OSError(f"jaxps-server cannot bind {address}: address in use?")
+    servicer.shm = _fdpass.FdInbox(f"jaxps-shm-{summation.incarnation}")
     if opts.data_channel and not opts.tls_cert:
         servicer.data = _data.DataChannel(
             summation,

@@ -8,6 +8,7 @@ server's incarnation in the trailing metadata.
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import grpc
@@ -57,10 +58,13 @@ class SummationServicer:
       summation: the gRPC-free core the RPCs call.
     """
 
-    def __init__(self, summation: Summation, data=None):
+    def __init__(self, summation: Summation, data=None, shm=None):
         self.summation = summation
         #: the data channel (`_data.DataChannel`) offered in Hello, or None
         self.data = data
+        #: the Unix socket that takes shared-memory segments
+        #: (`_fdpass.FdInbox`) offered in Hello, or None
+        self.shm = shm
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The service's method handlers; requests arrive undecoded."""
@@ -121,6 +125,8 @@ class SummationServicer:
             async_mode=core.async_mode,
             session=session.id,
         )
+        if self.shm is not None:
+            reply.shm_socket = self.shm.name
         if self.data is not None:
             reply.data_port = self.data.port
             reply.data_nonce = self.data.offer(
@@ -171,9 +177,20 @@ class SummationServicer:
         core = self.summation
         try:
             request = _decode(pb.AttachRequest, request)
-            segment = core.attach(
-                request.header, request.name, request.size, request.token
-            )
+            h = request.header
+            core.check_header(h)
+            fd = None if self.shm is None else self.shm.claim(request.cookie)
+            if fd is None:
+                raise _wire.Rejected(
+                    "FAILED_PRECONDITION",
+                    f"Attach of rank {h.rank} names no segment this server "
+                    "received on its Unix socket (shm_socket in HelloReply; "
+                    "the worker is not on this host, or waited too long).",
+                )
+            try:
+                segment = core.attach(h, fd, request.size)
+            finally:
+                os.close(fd)
         except _wire.Rejected as err:
             await self._abort(context, err)
         return pb.AttachReply(incarnation=core.incarnation, segment=segment)

@@ -1,11 +1,14 @@
 """Shared-memory segments of the workers on the server's host.
 
-A worker on the same host may carry its payloads in a file of ``/dev/shm``
-instead of gRPC messages (as BytePS does with ``BYTEPS_ENABLE_IPC``). It
-creates the file, writes a random token at its start and asks the server to
-attach it; the server maps the file only if it is a regular file with the
-expected name, size and token, i.e. one the worker itself just wrote. The
-worker then unlinks the name: the memory lives as long as both mappings.
+A worker on the same host may carry its payloads in shared memory instead
+of gRPC messages (as BytePS does with ``BYTEPS_ENABLE_IPC``). Each segment
+is a memfd that the worker allocated and sealed against shrinking and
+growing; its descriptor reaches the server over a Unix socket
+(`_fdpass`), and the Attach RPC maps it for the worker's rank. The seals
+and the allocation are checked, so a mapping can never fault (SIGBUS) and a
+sparse segment cannot make the server allocate; segments count against the
+server's memory budget and a per-rank cap. Segment ids are random and bound
+to the rank (and job incarnation) that attached them.
 
 A push names a slot, which the worker then lends to the server until its
 pull of the round returns (the server may sum in it); the pull names the
@@ -14,86 +17,101 @@ same slot and finds the sum there.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
-import re
+import secrets
 import stat
 
-from ._wire import SHM_DIR as SHM_DIR
 from ._wire import SHM_MAP_FLAGS as MAP_FLAGS
-from ._wire import SHM_TOKEN_BYTES as TOKEN_BYTES
+from ._wire import SHM_SEALS
 from ._wire import Rejected as StoreError
 
-#: Names of segment files: "jaxps-" and 32 hex digits.
-NAME = re.compile(r"jaxps-[0-9a-f]{32}")
 #: Most segments one rank may have attached at once.
 MAX_SEGMENTS = 4096
+#: Most bytes of segments one rank may have attached at once.
+MAX_RANK_BYTES = 1 << 30
 
 
 class Segments:
-    """The segments attached by each rank, by (rank, segment id)."""
+    """The segments attached by each rank, by (rank, segment id).
 
-    def __init__(self):
+    Args:
+      budget: the server's memory budget (`_store.Budget`), which segments
+        count against; None counts nothing.
+      max_rank_bytes: most bytes of segments per rank.
+    """
+
+    def __init__(self, budget=None, max_rank_bytes: int = MAX_RANK_BYTES):
         self._maps: dict[tuple[int, int], mmap.mmap] = {}
-        self._next_id = 0
+        self._budget = budget
+        self.max_rank_bytes = max_rank_bytes
 
-    def attach(self, rank: int, name: str, size: int, token: bytes) -> int:
-        """Maps a worker's segment; returns its id, or raises StoreError."""
-        if not NAME.fullmatch(name):
+    def attach(self, rank: int, fd: int, size: int) -> int:
+        """Maps a worker's sealed memfd `fd` of `size` bytes (the caller
+        closes `fd`); returns the segment's id, or raises StoreError."""
+        what = f"shared-memory segment of rank {rank}"
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0
+        if seals & SHM_SEALS != SHM_SEALS:
             raise StoreError(
-                "INVALID_ARGUMENT",
-                f"shared-memory segment name {name!r} of rank {rank} is not "
-                "'jaxps-' followed by 32 hex digits.",
+                "FAILED_PRECONDITION",
+                f"{what} is not a memfd sealed against shrinking and growing "
+                "(F_SEAL_SHRINK | F_SEAL_GROW): it could change size under "
+                "the server.",
             )
-        if len(token) != TOKEN_BYTES or size < TOKEN_BYTES:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != size or size < 1:
             raise StoreError(
-                "INVALID_ARGUMENT",
-                f"attach of {name} by rank {rank}: need a {TOKEN_BYTES}-byte "
-                f"token and a size >= {TOKEN_BYTES}, got {len(token)} and "
-                f"{size}.",
+                "FAILED_PRECONDITION",
+                f"{what} has {info.st_size} bytes, not the {size} its Attach "
+                "says.",
             )
-        if sum(r == rank for r, _ in self._maps) >= MAX_SEGMENTS:
+        if info.st_blocks * 512 < size:
+            raise StoreError(
+                "FAILED_PRECONDITION",
+                f"{what} is sparse ({info.st_blocks * 512} of {size} bytes "
+                "allocated): allocate it (posix_fallocate) before Attach.",
+            )
+        mine = [m for (r, _), m in self._maps.items() if r == rank]
+        held = sum(len(m) for m in mine)
+        if len(mine) >= MAX_SEGMENTS or held + size > self.max_rank_bytes:
             raise StoreError(
                 "RESOURCE_EXHAUSTED",
-                f"rank {rank} already attached {MAX_SEGMENTS} segments.",
+                f"{what}: rank {rank} has {len(mine)} segments of "
+                f"{held >> 20} MiB attached; the most are {MAX_SEGMENTS} "
+                f"and {self.max_rank_bytes >> 20} MiB per rank.",
             )
-        path = os.path.join(SHM_DIR, name)
+        if self._budget is not None:
+            self._budget.reserve(size, what)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as err:
-            raise StoreError(
-                "FAILED_PRECONDITION",
-                f"cannot open shared-memory segment {path} of rank {rank} "
-                f"({err.strerror}): the worker is not on this host.",
-            ) from None
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_size != size:
-                raise StoreError(
-                    "FAILED_PRECONDITION",
-                    f"shared-memory segment {path} of rank {rank} is not a "
-                    f"regular file of {size} bytes.",
-                )
             segment = mmap.mmap(fd, size, flags=MAP_FLAGS)
-        finally:
-            os.close(fd)
-        if segment[:TOKEN_BYTES] != token:
-            segment.close()
+        except OSError as err:
+            if self._budget is not None:
+                self._budget.release(size)
             raise StoreError(
-                "FAILED_PRECONDITION",
-                f"shared-memory segment {path} of rank {rank} does not hold "
-                "the token the worker sent: it is not the worker's file.",
-            )
-        self._next_id += 1
-        self._maps[(rank, self._next_id)] = segment
-        return self._next_id
+                "FAILED_PRECONDITION", f"cannot map {what}: {err}"
+            ) from None
+        while True:
+            sid = secrets.randbits(32)
+            if (rank, sid) not in self._maps:
+                break
+        self._maps[(rank, sid)] = segment
+        return sid
 
     def detach(self, rank: int, ids) -> None:
         """Unmaps segments of `rank` (unknown ids are ignored)."""
         for i in ids:
             segment = self._maps.pop((rank, i), None)
             if segment is not None:
-                _close(segment)
+                self._unmap(segment)
+
+    def _unmap(self, segment: mmap.mmap) -> None:
+        if self._budget is not None:
+            self._budget.release(len(segment))
+        _close(segment)
 
     def view(self, rank: int, segment: int, offset: int, nbytes: int):
         """The `nbytes` at `offset` of a segment, as a writable memoryview."""
@@ -102,7 +120,8 @@ class Segments:
             raise StoreError(
                 "FAILED_PRECONDITION",
                 f"rank {rank} named shared-memory segment {segment}, which "
-                "it never attached to this server (was it restarted?).",
+                "it never attached to this server in this job incarnation "
+                "(was the server restarted?).",
             )
         if offset < 0 or nbytes < 0 or offset + nbytes > len(mapped):
             raise StoreError(
@@ -118,7 +137,7 @@ class Segments:
 
     def close(self) -> None:
         for segment in self._maps.values():
-            _close(segment)
+            self._unmap(segment)
         self._maps.clear()
 
 

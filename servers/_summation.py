@@ -176,10 +176,11 @@ class Summation:
 
     # -- shared memory -----------------------------------------------------
 
-    def attach(self, h, name: str, size: int, token: bytes) -> int:
-        """Maps a segment of rank ``h.rank``; returns its id."""
+    def attach(self, h, fd: int, size: int) -> int:
+        """Maps the sealed memfd `fd` (see `_shm`) of `size` bytes for rank
+        ``h.rank``; returns the segment's id. The caller closes `fd`."""
         s = self.check_header(h)
-        return s.segments.attach(h.rank, name, size, token)
+        return s.segments.attach(h.rank, fd, size)
 
     def detach(self, h, segments) -> None:
         """Unmaps segments of rank ``h.rank`` (unknown ids are ignored)."""

@@ -9,6 +9,7 @@ gRPC-neutral form of a refused request.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import hmac
 import mmap
@@ -32,10 +33,12 @@ TOKEN_KEY = "jaxps-token"
 #: A server prints this, then ``HOST:PORT``, once it is listening.
 READY_PREFIX = "jaxps-server listening on "
 
-#: Where workers create shared-memory segments for a server on their host.
-SHM_DIR = "/dev/shm"
-#: Bytes of the random token at the start of a segment.
-SHM_TOKEN_BYTES = 16
+#: Bytes of the cookie that names a segment's memfd sent over the server's
+#: Unix socket (then named again by the Attach RPC).
+SHM_COOKIE_BYTES = 16
+#: Seals a segment's memfd must carry: it can never change size, so a
+#: mapping of it can never fault (no SIGBUS).
+SHM_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 #: Shared mapping, with its page tables filled at once (no faults later).
 SHM_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 

@@ -65,7 +65,7 @@ class HelloRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., session: _Optional[str] = ..., init_id: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("version", "incarnation", "num_workers", "job_id", "async_mode", "data_port", "data_nonce", "session")
+    __slots__ = ("version", "incarnation", "num_workers", "job_id", "async_mode", "data_port", "data_nonce", "session", "shm_socket")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,7 @@ class HelloReply(_message.Message):
     DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     DATA_NONCE_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
     version: int
     incarnation: str
     num_workers: int
@@ -82,7 +83,8 @@ class HelloReply(_message.Message):
     data_port: int
     data_nonce: bytes
     session: str
-    def __init__(self, version: _Optional[int] = ..., incarnation: _Optional[str] = ..., num_workers: _Optional[int] = ..., job_id: _Optional[str] = ..., async_mode: _Optional[bool] = ..., data_port: _Optional[int] = ..., data_nonce: _Optional[bytes] = ..., session: _Optional[str] = ...) -> None: ...
+    shm_socket: str
+    def __init__(self, version: _Optional[int] = ..., incarnation: _Optional[str] = ..., num_workers: _Optional[int] = ..., job_id: _Optional[str] = ..., async_mode: _Optional[bool] = ..., data_port: _Optional[int] = ..., data_nonce: _Optional[bytes] = ..., session: _Optional[str] = ..., shm_socket: _Optional[str] = ...) -> None: ...
 
 class ShmSlot(_message.Message):
     __slots__ = ("segment", "offset")
@@ -93,16 +95,14 @@ class ShmSlot(_message.Message):
     def __init__(self, segment: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("header", "name", "size", "token")
+    __slots__ = ("header", "size", "cookie")
     HEADER_FIELD_NUMBER: _ClassVar[int]
-    NAME_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    COOKIE_FIELD_NUMBER: _ClassVar[int]
     header: Header
-    name: str
     size: int
-    token: bytes
-    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., name: _Optional[str] = ..., size: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+    cookie: bytes
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., size: _Optional[int] = ..., cookie: _Optional[bytes] = ...) -> None: ...
 
 class AttachReply(_message.Message):
     __slots__ = ("incarnation", "segment")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import secrets
+import socket
 import time
 
 import grpc
@@ -113,6 +114,7 @@ class ServerClient:
         #: the job incarnation the server put this worker in (see Hello)
         self.session = ""
         self._failed = False  # a call failed: close says no Bye
+        self.shm_socket = ""
         self.incarnation: str | None = None
         self.async_mode = False
         self.data_port = 0
@@ -183,6 +185,8 @@ class ServerClient:
         self.data_port = reply.data_port
         self.data_nonce = reply.data_nonce
         self.session = reply.session
+        #: the server's Unix socket for shared-memory segments ("": none)
+        self.shm_socket = reply.shm_socket
         self._header = pb.Header(
             version=_wire.PROTOCOL_VERSION,
             job_id=job_id,
@@ -191,10 +195,22 @@ class ServerClient:
         )
         return reply.incarnation
 
-    def attach(self, name: str, size: int, token: bytes) -> int:
-        """Has the server map a shared-memory segment; returns its id."""
+    def attach(self, fd: int, size: int) -> int:
+        """Has the server map a sealed memfd of `size` bytes; returns the
+        segment's id. Raises OSError if the server's Unix socket cannot be
+        reached (it is on another host, or in another network namespace).
+        """
+        if not self.shm_socket:
+            raise OSError(f"server {self.address} offers no shared memory")
+        cookie = secrets.token_bytes(_wire.SHM_COOKIE_BYTES)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(min(self.timeout, 5.0))
+            sock.connect("\0" + self.shm_socket)
+            socket.send_fds(sock, [cookie], [fd])
+            if sock.recv(1) != b"\1":
+                raise OSError(f"server {self.address} refused the segment")
         request = pb.AttachRequest(
-            header=self._header, name=name, size=size, token=token
+            header=self._header, size=size, cookie=cookie
         )
         deadline = time.monotonic() + self.timeout
         reply = self._call(self._attach, request, deadline, None, "attach")

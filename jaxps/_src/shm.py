@@ -11,11 +11,11 @@ a pool never waits (and never waits on other workers).
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import logging
 import mmap
 import os
-import secrets
 import threading
 
 import numpy as np
@@ -58,8 +58,9 @@ class SlotPool:
     """Slots of `slot_bytes` in segments attached to one server.
 
     Args:
-      attach: ``attach(name, size, token) -> segment id``; raises if the
-        server cannot map the file (e.g. it is on another host).
+      attach: ``attach(fd, size) -> segment id`` (`ServerClient.attach`);
+        raises if the server cannot map the sealed memfd `fd` (e.g. it is on
+        another host).
       slot_bytes: size of every slot (the largest chunk).
       max_bytes: most memory of all segments together.
     """
@@ -93,37 +94,36 @@ class SlotPool:
 
     def _grow(self) -> None:
         size = self.segment_bytes
-        name = "jaxps-" + secrets.token_hex(16)
-        path = os.path.join(_wire.SHM_DIR, name)
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        except OSError as err:
-            self._disable(f"cannot create {path}: {err.strerror}")
+            fd = os.memfd_create(
+                "jaxps-segment", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+            )
+        except (OSError, AttributeError) as err:
+            self._disable(f"cannot create a memfd: {err}")
             return
         try:
-            try:
-                # reserve the memory now: a full /dev/shm must fail here,
-                # not with SIGBUS when a slot is first written
-                os.posix_fallocate(fd, 0, size)
-                segment = mmap.mmap(fd, size, flags=_wire.SHM_MAP_FLAGS)
-            finally:
-                os.close(fd)
-            token = secrets.token_bytes(_wire.SHM_TOKEN_BYTES)
-            segment[: len(token)] = token
-            try:
-                segment_id = self._attach(name, size, token)
-            except Exception as err:  # noqa: BLE001 - fall back to gRPC
-                segment.close()
-                self._disable(str(err))
-                return
+            # reserve the memory now: a full tmpfs must fail here, not with
+            # SIGBUS when a slot is first written; then seal the size
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
+            fcntl.fcntl(
+                fd, fcntl.F_ADD_SEALS, _wire.SHM_SEALS | fcntl.F_SEAL_SEAL
+            )
+            segment = mmap.mmap(fd, size, flags=_wire.SHM_MAP_FLAGS)
         except OSError as err:
-            self._disable(f"cannot allocate {size} bytes in {path}: {err}")
+            os.close(fd)
+            self._disable(
+                f"cannot allocate {size} bytes of shared memory: {err}"
+            )
+            return
+        try:
+            segment_id = self._attach(fd, size)
+        except Exception as err:  # noqa: BLE001 - fall back to gRPC
+            segment.close()
+            self._disable(str(err))
             return
         finally:
-            try:
-                os.unlink(path)  # both sides hold their mapping
-            except FileNotFoundError:
-                pass
+            os.close(fd)  # both sides hold their mapping
         self._maps.append(segment)
         self.segment_ids.append(segment_id)
         memory = memoryview(segment)

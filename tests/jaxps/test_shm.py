@@ -1,6 +1,7 @@
 """Payloads through shared memory to servers on the same host."""
 
 import contextlib
+import fcntl
 import os
 import secrets
 import time
@@ -43,8 +44,8 @@ def test_shared_memory_carries_the_payloads(start_servers):
         assert segments and min(segments) >= 1  # both servers use it
         for got in sums:
             np.testing.assert_array_equal(got, 1.5 * x)
-    # the names were unlinked at once: nothing is left in /dev/shm
-    assert not [f for f in os.listdir(_shm.SHM_DIR) if _shm.NAME.match(f)]
+    # segments are memfds: no file is ever left in /dev/shm
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith("jaxps-")]
 
 
 @pytest.mark.timeout(60)
@@ -66,12 +67,17 @@ def test_small_pool_falls_back_to_grpc_without_waiting(start_servers):
 
 
 @pytest.mark.timeout(60)
-def test_server_on_another_host_falls_back_to_grpc(
-    start_servers, tmp_path, monkeypatch
-):
-    # The worker writes its segment where the server cannot see it, as on
-    # another host (or another container): every payload goes through gRPC.
-    monkeypatch.setattr(_wire, "SHM_DIR", str(tmp_path))
+def test_server_on_another_host_falls_back_to_grpc(start_servers, monkeypatch):
+    # The server's Unix socket cannot be reached, as from another host (or
+    # another network namespace): every payload goes through gRPC.
+    hello = ServerClient.hello
+
+    def elsewhere(self, **kw):
+        out = hello(self, **kw)
+        self.shm_socket = "jaxps-no-such-socket-" + secrets.token_hex(8)
+        return out
+
+    monkeypatch.setattr(ServerClient, "hello", elsewhere)
     servers = start_servers(1, 2)
     x = np.arange(3 * PARTITION // 4, dtype=np.float32)
 
@@ -85,46 +91,59 @@ def test_server_on_another_host_falls_back_to_grpc(
     ):
         assert fell_back
         np.testing.assert_array_equal(got, 2 * x)
-    assert not os.listdir(tmp_path)
 
 
-def make_segment(size=4096):
-    name = "jaxps-" + secrets.token_hex(16)
-    path = os.path.join(_shm.SHM_DIR, name)
-    with open(path, "wb") as f:
-        token = secrets.token_bytes(_shm.TOKEN_BYTES)
-        f.write(token + bytes(size - len(token)))
-    return name, path, token
+def memfd(size=4096, seals=_wire.SHM_SEALS, allocate=True):
+    fd = os.memfd_create("test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if allocate:
+        os.posix_fallocate(fd, 0, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def header_of(client, rank=0, key=1, length=2048):
+    return pb.Header(
+        version=_wire.PROTOCOL_VERSION,
+        job_id="jaxps",
+        rank=rank,
+        key=key,
+        round=0,
+        dtype=pb.FLOAT32,
+        length=length,
+    )
 
 
 @pytest.mark.timeout(60)
-def test_attach_checks_name_size_and_token(start_servers):
+def test_attach_checks_seals_size_and_allocation(start_servers):
     (server,) = start_servers(1, 1)
     client = ServerClient(server.address, max_message_bytes=1 << 20, timeout=10)
     client.hello(job_id="jaxps", rank=0, num_workers=1)
-    name, path, token = make_segment()
-    try:
-        cases = [
-            ("../etc/passwd", 4096, token, "not 'jaxps-' followed by"),
-            (name, 8192, token, "not a regular file of 8192 bytes"),
-            (name, 4096, bytes(16), "does not hold the token"),
-            ("jaxps-" + "0" * 32, 4096, token, "not on this host"),
-        ]
-        for bad_name, size, bad_token, message in cases:
-            with pytest.raises(errors.RequestRejectedError, match=message):
-                client.attach(bad_name, size, bad_token)
-        segment = client.attach(name, 4096, token)
-    finally:
-        os.unlink(path)
-    header = pb.Header(
-        version=_wire.PROTOCOL_VERSION,
-        job_id="jaxps",
-        rank=0,
-        key=1,
-        round=0,
-        dtype=pb.FLOAT32,
-        length=2048,
+    cases = [
+        (memfd(seals=0), 4096, "not a memfd sealed against shrinking"),
+        (memfd(), 8192, "has 4096 bytes, not the 8192"),
+        (memfd(1 << 30, allocate=False), 1 << 30, "is sparse"),
+    ]
+    for fd, size, message in cases:
+        with pytest.raises(errors.RequestRejectedError, match=message):
+            client.attach(fd, size)
+        os.close(fd)
+    # an Attach whose descriptor never reached the server's socket
+    request = pb.AttachRequest(
+        header=client._header, size=4096, cookie=bytes(16)
     )
+    with pytest.raises(errors.RequestRejectedError, match="names no segment"):
+        client._call(
+            client._attach, request, time.monotonic() + 10, None, "attach"
+        )
+    fd = memfd()
+    segment = client.attach(fd, 4096)
+    # sealed: nobody can shrink it under the server (the SIGBUS route)
+    with pytest.raises(PermissionError):
+        os.ftruncate(fd, 0)
+    os.close(fd)
+    header = header_of(client)
     deadline = time.monotonic() + 10
     with pytest.raises(errors.RequestRejectedError, match="outside its"):
         client.push(
@@ -140,7 +159,7 @@ def test_attach_checks_name_size_and_token(start_servers):
             None,
             0,
             deadline,
-            slot=pb.ShmSlot(segment=segment + 1, offset=0),
+            slot=pb.ShmSlot(segment=segment ^ 1, offset=0),
         )
     client.detach([segment])
     with pytest.raises(errors.RequestRejectedError, match="never attached"):
@@ -151,7 +170,70 @@ def test_attach_checks_name_size_and_token(start_servers):
             deadline,
             slot=pb.ShmSlot(segment=segment, offset=0),
         )
+    assert server.proc.poll() is None
     client.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_foreign_slot_is_refused(start_servers):
+    # Rank 1 (or anyone claiming it) names rank 0's segment: refused, and
+    # rank 0's in-flight gradient is neither read nor changed.
+    (server,) = start_servers(1, 2)
+    clients = [
+        ServerClient(server.address, max_message_bytes=1 << 20, timeout=10)
+        for _ in range(2)
+    ]
+    for rank, c in enumerate(clients):
+        c.hello(job_id="jaxps", rank=rank, num_workers=2)
+    fd = memfd()
+    segment = clients[0].attach(fd, 4096)
+    os.close(fd)
+    deadline = time.monotonic() + 10
+    for rank in (1,):
+        with pytest.raises(errors.RequestRejectedError, match="never attached"):
+            clients[rank].push(
+                header_of(clients[rank], rank=rank, length=16),
+                None,
+                0,
+                deadline,
+                slot=pb.ShmSlot(segment=segment, offset=0),
+            )
+    # an intruder's new init as rank 0 gets a job incarnation of its own
+    intruder = ServerClient(
+        server.address, max_message_bytes=1 << 20, timeout=10
+    )
+    intruder.hello(job_id="jaxps", rank=0, num_workers=2)
+    assert intruder.session != clients[0].session
+    with pytest.raises(errors.RequestRejectedError, match="never attached"):
+        intruder.push(
+            header_of(intruder, length=16),
+            None,
+            0,
+            deadline,
+            slot=pb.ShmSlot(segment=segment, offset=0),
+        )
+    for c in (*clients, intruder):
+        c.close()
+
+
+def test_segments_are_capped_per_rank_and_by_the_budget():
+    from jaxps.servers import _store
+
+    budget = _store.Budget(8192)
+    segments = _shm.Segments(budget, max_rank_bytes=8192)
+    fds = [memfd() for _ in range(3)]
+    try:
+        segments.attach(0, fds[0], 4096)
+        segments.attach(0, fds[1], 4096)
+        with pytest.raises(_wire.Rejected, match="8 MiB|0 MiB per rank"):
+            segments.attach(0, fds[2], 4096)
+        with pytest.raises(_wire.Rejected, match="--max-memory"):
+            segments.attach(1, fds[2], 4096)  # the budget is full
+        segments.close()
+        assert budget.held == 0
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 @contextlib.contextmanager
