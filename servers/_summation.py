@@ -211,7 +211,19 @@ class Summation:
         """
         s = self.check_header(h)
         if slot is not None:
+            # A lent slot holds the sum once its round is complete, so a
+            # replayed push from it cannot be checked against its checksum.
             payload = self.slot(s, h, slot)
+        elif not self.async_mode:
+            mine = _wire.fingerprint(payload)
+            if mine != checksum:
+                raise _wire.Rejected(
+                    "INVALID_ARGUMENT",
+                    f"checksum {checksum:#010x} of the push of key {h.key} "
+                    f"({h.name}) round {h.round} by rank {h.rank} is not its "
+                    f"payload's ({mine:#010x}: crc32 of its length and first "
+                    "and last 4 KiB).",
+                )
         store = s.store
         ticket = store.begin_push(
             **_chunk(h),

@@ -282,7 +282,9 @@ def test_retried_push_from_a_slot_is_counted_once(start_servers):
         other = pb.Header()
         other.CopyFrom(header)
         other.rank = 1
-        rt[1]._transports[0].client.push(other, x, 8, time.monotonic() + 10)
+        rt[1]._transports[0].client.push(
+            other, x, _wire.fingerprint(x), time.monotonic() + 10
+        )
         got = transport.client.pull(header, time.monotonic() + 10, slot.ref)
         assert got is None  # the sum is in the slot
         np.testing.assert_array_equal(slot.array(x.dtype, x.size), 2 * x)

@@ -69,7 +69,9 @@ def connect(address, reply, rank=0, token=None, nonce=None, mac=None):
     return sock
 
 
-def request(rank=0, key=7, rnd=0, dtype=1, length=4, rid=1, name=b"t[0]"):
+def request(
+    rank=0, key=7, rnd=0, dtype=1, length=4, rid=1, name=b"t[0]", checksum=0
+):
     head = _wire.DATA_REQUEST.pack(
         _wire.DATA_OP_PUSH_PULL,
         dtype,
@@ -78,7 +80,7 @@ def request(rank=0, key=7, rnd=0, dtype=1, length=4, rid=1, name=b"t[0]"):
         key,
         rnd,
         length,
-        0,
+        checksum,
         rid,
         5.0,
     )
@@ -94,7 +96,7 @@ def test_server_offers_a_data_channel(start_servers):
         assert kind == _wire.DATA_OK
         assert body.decode() == reply.incarnation
         x = np.arange(4, dtype=np.float32)
-        sock.sendall(request() + x.tobytes())
+        sock.sendall(request(checksum=_wire.fingerprint(x)) + x.tobytes())
         kinds = [read_frame(sock) for _ in range(2)]
     assert [k[0] for k in kinds] == [_wire.DATA_ACK, _wire.DATA_SUM]
     np.testing.assert_array_equal(np.frombuffer(kinds[1][3], np.float32), x)

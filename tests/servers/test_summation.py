@@ -63,7 +63,7 @@ def test_push_then_pull_raw_and_encoded(async_mode):
             for rank in range(2):
                 payload = (x * (rank + 1)).tobytes()
                 h = header(rank, x)
-                await core.push(h, payload, _wire.checksum(payload))
+                await core.push(h, payload, _wire.fingerprint(payload))
             expected = x if async_mode else 3 * x  # async: round 0 sets
             raw = await core.pull(header(0, x), deadline=far, raw=True)
             np.testing.assert_array_equal(raw, expected)
@@ -87,13 +87,13 @@ def test_pull_returns_when_the_last_rank_pushes():
         try:
             x = np.ones(4, np.float32)
             far = time.monotonic() + 10
-            await core.push(header(0, x), x.tobytes(), 0)
+            await core.push(header(0, x), x.tobytes(), _wire.fingerprint(x))
             pull = asyncio.ensure_future(
                 core.pull(header(0, x), deadline=far, raw=True)
             )
             await asyncio.sleep(0.05)
             assert not pull.done()  # the round is incomplete
-            await core.push(header(1, x), x.tobytes(), 1)
+            await core.push(header(1, x), x.tobytes(), _wire.fingerprint(x))
             np.testing.assert_array_equal(await pull, 2 * x)
         finally:
             core.close()
@@ -107,7 +107,7 @@ def test_pull_deadline_names_the_missing_ranks():
         join(core)
         try:
             x = np.ones(2, np.float32)
-            await core.push(header(1, x), x.tobytes(), 0)
+            await core.push(header(1, x), x.tobytes(), _wire.fingerprint(x))
             with pytest.raises(_wire.Rejected) as e:
                 await core.pull(header(1, x), deadline=time.monotonic() + 0.05)
             assert e.value.code == "DEADLINE_EXCEEDED"
@@ -166,7 +166,9 @@ def test_jobs_and_inits_are_separate_namespaces():
             async def step(job, rnd, scale, pullers=(0, 1)):
                 for r in range(2):
                     h = header(r, x, rnd=rnd, job_id=job)
-                    await core.push(h, (scale * x).tobytes(), scale)
+                    await core.push(
+                        h, (scale * x).tobytes(), _wire.fingerprint(scale * x)
+                    )
                 for r in pullers:
                     h = header(r, x, rnd=rnd, job_id=job)
                     total = await core.pull(h, deadline=far, raw=True)
@@ -212,7 +214,7 @@ def test_sessions_are_freed_by_bye_and_by_idling():
             x = np.ones(1000, np.float32)
             sid = join(core)
             for r in range(2):
-                await core.push(header(r, x), x.tobytes(), 0)
+                await core.push(header(r, x), x.tobytes(), _wire.fingerprint(x))
             assert core.jobs.num_keys == 1 and core.budget.held > 0
             core.bye(header(0, x))
             assert len(core.jobs) == 1  # rank 1 is still in it
@@ -230,14 +232,16 @@ def test_sessions_are_freed_by_bye_and_by_idling():
             assert old not in {s.id for s in core.jobs}
             # the current one, idle past idle_timeout, drops its keys only
             for r in range(2):
-                await core.push(header(r, x), x.tobytes(), 0)
+                await core.push(header(r, x), x.tobytes(), _wire.fingerprint(x))
             assert core.jobs.num_keys == 1
             core.jobs.expire(time.monotonic() + 6.0)
             assert core.jobs.num_keys == 0 and len(core.jobs) == 1
             assert core.budget.held == 0
             # and takes up its rounds again where the workers are
             for r in range(2):
-                await core.push(header(r, x, rnd=7), x.tobytes(), 0)
+                await core.push(
+                    header(r, x, rnd=7), x.tobytes(), _wire.fingerprint(x)
+                )
             far = time.monotonic() + 5
             total = await core.pull(header(0, x, rnd=7), deadline=far, raw=True)
             np.testing.assert_array_equal(total, 2 * x)
@@ -253,9 +257,13 @@ def test_memory_cap_names_itself():
         join(core)
         try:
             x = np.ones(1 << 18, np.float32)  # 1 MiB: one accumulator fits
-            await core.push(header(0, x, key=1), x.tobytes(), 0)
+            await core.push(
+                header(0, x, key=1), x.tobytes(), _wire.fingerprint(x)
+            )
             with pytest.raises(_wire.Rejected, match="--max-memory 1 MiB") as e:
-                await core.push(header(0, x, key=2), x.tobytes(), 0)
+                await core.push(
+                    header(0, x, key=2), x.tobytes(), _wire.fingerprint(x)
+                )
             assert e.value.code == "RESOURCE_EXHAUSTED"
         finally:
             core.close()
@@ -269,7 +277,7 @@ def test_pull_answers_at_the_workers_timeout_naming_the_missing_rank():
         join(core, timeout=0.2)
         try:
             x = np.ones(2, np.float32)
-            await core.push(header(0, x), x.tobytes(), 0)
+            await core.push(header(0, x), x.tobytes(), _wire.fingerprint(x))
             t0 = time.monotonic()
             with pytest.raises(_wire.Rejected, match=r"rank\(s\) \[1\]"):
                 await core.pull(header(0, x), deadline=t0 + 30)
@@ -286,7 +294,7 @@ def test_pull_into_a_buffer():
         join(core)
         try:
             x = np.arange(3, dtype=np.float32)
-            await core.push(header(0, x), x.tobytes(), 0)
+            await core.push(header(0, x), x.tobytes(), _wire.fingerprint(x))
             out = bytearray(x.nbytes)
             far = time.monotonic() + 10
             reply = await core.pull(header(0, x), deadline=far, into=out)
@@ -309,3 +317,20 @@ def test_codec_reply_is_the_store_encoding():
         )
     finally:
         core.close()
+
+
+def test_a_forged_checksum_is_refused_not_taken_for_a_replay():
+    async def main():
+        core = _summation.Summation(2)
+        join(core)
+        try:
+            x = np.ones(4, np.float32)
+            await core.push(header(0, x), x.tobytes(), _wire.fingerprint(x))
+            forged = (2 * x).tobytes()  # another payload, the first checksum
+            with pytest.raises(_wire.Rejected, match="is not its payload") as e:
+                await core.push(header(0, x), forged, _wire.fingerprint(x))
+            assert e.value.code == "INVALID_ARGUMENT"
+        finally:
+            core.close()
+
+    run(main())
