@@ -12,7 +12,7 @@ yet), or starts a new one. Other channels of the same worker name the same
 `init_id`; a reconnect names the session it was given.
 
 A session is freed when every rank said Bye, or when it was superseded by a
-newer one of its job and then idle for a round timeout; an idle session
+newer one of its job and then idle for two round timeouts; an idle session
 drops its keys and rounds after ``idle_timeout``. Nothing else is kept per
 job, so a server's memory is that of its live sessions.
 """
@@ -78,7 +78,7 @@ class Jobs:
       make_store: returns a new, empty store for a session.
       job_id: the only job served (``--job-id``); None serves any job.
       round_timeout: the stores' round timeout (a superseded session is
-        freed once idle this long).
+        freed once idle twice this long).
       idle_timeout: a session idle this long drops its keys and rounds.
       max_sessions: most sessions kept at once.
     """
@@ -228,7 +228,8 @@ class Jobs:
         failed = 0
         for s in list(self._sessions.values()):
             idle = now - s.last_seen
-            if s.superseded is not None and idle >= self.round_timeout:
+            # twice the round timeout: no pull of it can still be waiting
+            if s.superseded is not None and idle >= 2 * self.round_timeout:
                 self.free(s, "a newer init of the job replaced it")
                 continue
             failed += s.store.expire(now)
