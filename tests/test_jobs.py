@@ -191,7 +191,7 @@ def test_unpulled_rounds_and_idle_jobs_are_freed(start_servers):
                 dtype=pb.FLOAT32,
                 length=x.size,
             )
-            push(_codec.encode_push(h, x, 0), timeout=10)
+            push(_codec.encode_push(h, x, _wire.fingerprint(x)), timeout=10)
     held = rss_mib(server.proc.pid)
     assert status.keys() == 64
     deadline = time.monotonic() + 20
