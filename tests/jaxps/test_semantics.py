@@ -6,7 +6,6 @@ Workers are threads with their own `Runtime`, or this process through
 `jaxps.init` where the JAX API is under test.
 """
 
-import concurrent.futures
 import time
 
 import numpy as np
@@ -16,27 +15,9 @@ from jaxps import errors
 from jaxps._src.config import Config
 from jaxps._src.runtime import Runtime
 
+from .test_runtime import run_workers
+
 SMALL = 4096  # partition bytes: several chunks, and fused small tensors
-
-
-def run_workers(n, servers, fn, **config):
-    """Runs ``fn(runtime)`` on n worker threads; returns their results."""
-    addresses = tuple(s.address for s in servers)
-    config = {key: v for key, v in config.items() if v is not None}
-
-    def work(rank):
-        cfg = Config(
-            servers=addresses, num_workers=n, worker_rank=rank, **config
-        )
-        runtime = Runtime(cfg)
-        try:
-            return fn(runtime)
-        finally:
-            runtime.close()
-
-    with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        futures = [pool.submit(work, r) for r in range(n)]
-        return [f.result(timeout=60) for f in futures]
 
 
 def contribution(rank, step, size, dtype):
