@@ -7,8 +7,6 @@ traceback; each test below asserts one check on both ranks.
 """
 
 import concurrent.futures
-import os
-import subprocess
 import sys
 import traceback
 
@@ -23,37 +21,21 @@ pytestmark = pytest.mark.timeout(150)
 def job(module_server, tmp_path_factory):
     """Every check's per-rank output: {check: [(ok, rank output)]}."""
     cwd = tmp_path_factory.mktemp("broadcast")
-    env = dict(
-        os.environ,
-        JAXPS_SERVERS=module_server.address,
-        JAXPS_NUM_WORKERS="2",
-        JAXPS_TIMEOUT="20",
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    # imported here, not at the top: this file also runs as a script
+    from .test_push_pull import start_ranks
+
+    results = start_ranks(
+        __file__,
+        CHECKS,
+        [module_server.address],
+        2,
+        cwd,
+        timeout=120,
+        jaxps_timeout=20,
     )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, *CHECKS],
-            env=dict(env, JAXPS_WORKER_RANK=str(rank)),
-            cwd=cwd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=120)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
     return {
         check: [
-            (p.returncode == 0 and f"ok {check}\n" in out, out)
-            for p, out in zip(procs, outputs)
+            (code == 0 and f"ok {check}\n" in out, out) for code, out in results
         ]
         for check in CHECKS
     }

@@ -28,26 +28,29 @@ ALL = [
 ]
 
 
-def run_job(servers, num_workers, names, tmp_path, timeout=240):
+def start_ranks(
+    script, args, addresses, num_workers, cwd, *, timeout, jaxps_timeout=30
+):
+    """Runs ``python script *args`` once per rank of a job on the servers at
+    `addresses`; returns each rank's (exit code, output)."""
     env = dict(
         os.environ,
-        JAXPS_SERVERS=",".join(s.address for s in servers),
+        JAXPS_SERVERS=",".join(addresses),
         JAXPS_NUM_WORKERS=str(num_workers),
-        JAXPS_TIMEOUT="30",
+        JAXPS_TIMEOUT=str(jaxps_timeout),
         XLA_FLAGS="--xla_force_host_platform_device_count=4",
     )
-    procs = []
-    for rank in range(num_workers):
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(SCENARIOS), *names],
-                env=dict(env, JAXPS_WORKER_RANK=str(rank)),
-                cwd=tmp_path,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), *args],
+            env=dict(env, JAXPS_WORKER_RANK=str(rank)),
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
+        for rank in range(num_workers)
+    ]
     outputs = []
     try:
         for p in procs:
@@ -58,8 +61,24 @@ def run_job(servers, num_workers, names, tmp_path, timeout=240):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{out}"
+    return [(p.returncode, out) for p, out in zip(procs, outputs)]
+
+
+def run_job(
+    servers, num_workers, names, tmp_path, timeout=240, script=SCENARIOS
+):
+    """Runs the checks `names` of `script` on every rank; asserts that each
+    rank printed ``ok NAME`` for all of them."""
+    results = start_ranks(
+        script,
+        names,
+        [s.address for s in servers],
+        num_workers,
+        tmp_path,
+        timeout=timeout,
+    )
+    for rank, (code, out) in enumerate(results):
+        assert code == 0, f"rank {rank} failed:\n{out}"
         for name in names:
             assert f"ok {name}" in out, f"rank {rank}: {name} missing:\n{out}"
 

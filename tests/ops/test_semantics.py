@@ -6,7 +6,6 @@ against every rank's (deterministic) contribution and prints ``ok NAME``.
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -17,37 +16,17 @@ CHECKS = ["empty", "shape_change", "accumulation"]
 @pytest.mark.timeout(120)
 def test_semantics_with_two_workers(start_servers, tmp_path):
     (server,) = start_servers(1, 2, "--round-timeout", "30")
-    env = dict(
-        os.environ,
-        JAXPS_SERVERS=server.address,
-        JAXPS_NUM_WORKERS="2",
-        JAXPS_TIMEOUT="30",
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    # imported here, not at the top: this file also runs as a script
+    from .test_push_pull import run_job
+
+    run_job(
+        [server],
+        2,
+        CHECKS,
+        tmp_path,
+        timeout=100,
+        script=os.path.abspath(__file__),
     )
-    procs = [
-        subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), *CHECKS],
-            env=dict(env, JAXPS_WORKER_RANK=str(rank)),
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=100)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{out}"
-        for name in CHECKS:
-            assert f"ok {name}" in out, f"rank {rank}: {name} missing:\n{out}"
 
 
 # --- the worker side: run as a script, one process per rank ---------------
