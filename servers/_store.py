@@ -123,6 +123,16 @@ class PushPullStore(Protocol):
     def pending_rounds(self) -> int: ...
 
 
+def check_rank(rank: int, num_workers: int) -> None:
+    """Refuses a rank outside ``[0, num_workers)``."""
+    if not 0 <= rank < num_workers:
+        raise StoreError(
+            "INVALID_ARGUMENT",
+            f"rank {rank} out of range: this server sums "
+            f"num_workers={num_workers} ranks [0, {num_workers}).",
+        )
+
+
 def _tobytes(array: np.ndarray) -> bytes:
     return array.tobytes()
 
@@ -198,13 +208,7 @@ class Keys:
         self._engine_bytes = [0] * max(1, engine_threads)
 
     def check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.num_workers:
-            raise StoreError(
-                "INVALID_ARGUMENT",
-                f"rank {rank} out of range: this server sums "
-                f"num_workers={self.num_workers} ranks [0, "
-                f"{self.num_workers}).",
-            )
+        check_rank(rank, self.num_workers)
 
     def check_payload(
         self, key, rank, dtype_code, length, payload, name

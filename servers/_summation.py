@@ -129,13 +129,7 @@ class Summation:
 
     def check_rank(self, rank: int) -> None:
         """Checks that `rank` is in ``[0, num_workers)``."""
-        if not 0 <= rank < self._num_workers:
-            raise _wire.Rejected(
-                "INVALID_ARGUMENT",
-                f"rank {rank} out of range: this server sums "
-                f"num_workers={self._num_workers} ranks [0, "
-                f"{self._num_workers}).",
-            )
+        _store.check_rank(rank, self._num_workers)
 
     def check_header(self, h) -> _jobs.Session:
         """Checks the protocol version, job, rank and session of `h`;

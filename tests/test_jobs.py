@@ -101,7 +101,7 @@ class StatusReader:
             if line.startswith("jaxps-server "):
                 self.last = line
 
-    def keys(self, timeout=10.0) -> int:
+    def keys(self) -> int:
         time.sleep(1.2)  # a fresh line
         match = re.search(r"(\d+) keys", self.last)
         assert match, self.last
