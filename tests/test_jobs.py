@@ -134,13 +134,19 @@ def test_keys_of_a_finished_job_are_freed(start_servers):
                 np.testing.assert_array_equal(out, x)
             if job == 0:
                 assert status.keys() == 100_000
+                peak = rss_mib(server.proc.pid)  # while holding the keys
         finally:
             rt.close()  # says Bye: the server frees the job's keys
         assert status.keys() == 0
         rss.append(rss_mib(server.proc.pid))
-    print(f"server RSS after job 1: {rss[0]:.0f} MiB, job 2: {rss[1]:.0f}")
-    # Kept, 100,000 keys cost ~90 MiB; the allocator's noise is ~20 MiB.
-    assert rss[1] - rss[0] < 40, rss
+    print(
+        f"server RSS holding job 1's keys: {peak:.0f} MiB, after job 1: "
+        f"{rss[0]:.0f}, after job 2: {rss[1]:.0f}"
+    )
+    # Kept, 100,000 keys cost ~90 MiB more per job. How much of job 1's
+    # freed memory glibc hands back varies (146-256 MiB seen), so job 2 is
+    # compared with job 1's peak: it must have reused that memory.
+    assert rss[1] - peak < 24, (peak, rss)
 
 
 def _hello(channel, rank=0, n=1):
