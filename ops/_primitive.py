@@ -5,6 +5,14 @@ on the local mesh axis, 0 outside of shard_map/pmap). It lowers to two XLA
 host callbacks: a start that hands the arrays to the runtime and returns a
 ticket at once, and a done that waits for the sums. push_pull is linear, so
 its JVP and its transpose are push_pulls of the tangents and cotangents.
+
+The primitive has an effect (`PushPullEffect`, unordered like
+``io_callback(ordered=False)``'s): other workers wait for every push, so a
+push_pull whose result is unused must still run (no dead-code elimination),
+and it must run exactly once per step. Under `jax.checkpoint` / remat an
+effectful equation is never recomputed: its outputs are saved as residuals
+whatever the policy, so the backward pass reuses the sum instead of pushing
+again under the same name.
 """
 
 from __future__ import annotations
@@ -14,11 +22,28 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import effects
 from jax.experimental import io_callback
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jaxps.ops import _host
+
+
+class PushPullEffect(effects.Effect):
+    """A push_pull: other workers wait for it, so it is never dropped."""
+
+    __str__ = lambda _: "jaxps.PushPull"  # noqa: E731
+
+
+_EFFECT = PushPullEffect()
+for _allowed in (
+    effects.lowerable_effects,
+    effects.control_flow_allowed_effects,  # in lax.cond / scan / while
+    effects.custom_derivatives_allowed_effects,  # in custom_vjp / jvp
+    effects.remat_allowed_effects,  # in jax.checkpoint: saved, not rerun
+):
+    _allowed.add_type(PushPullEffect)
 
 push_pull_p = Primitive("jaxps_push_pull")
 push_pull_p.multiple_results = True
@@ -52,7 +77,7 @@ def _abstract_eval(*avals, names, average, priorities, mode):
             f"push_pull shard index must be an int32 scalar, got "
             f"{shard.dtype}{list(shard.shape)}."
         )
-    return [jax.core.ShapedArray(a.shape, a.dtype) for a in arrays]
+    return [jax.core.ShapedArray(a.shape, a.dtype) for a in arrays], {_EFFECT}
 
 
 def _impl(*args, names, average, priorities, mode):
@@ -155,7 +180,7 @@ def _batch(args, dims, *, names, average, priorities, mode):
 
 
 push_pull_p.def_impl(_impl)
-push_pull_p.def_abstract_eval(_abstract_eval)
+push_pull_p.def_effectful_abstract_eval(_abstract_eval)
 mlir.register_lowering(
     push_pull_p, mlir.lower_fun(_callbacks, multiple_results=True)
 )

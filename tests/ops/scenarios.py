@@ -65,6 +65,45 @@ def check_grad():
     np.testing.assert_allclose(g, expected, rtol=RTOL)
 
 
+def check_unused_result():
+    # A push_pull whose result is unused (a barrier) still pushes: the other
+    # ranks wait for it. Rank 0 drops the result, the others use it.
+    x = jnp.asarray(contribution(jaxps.rank(), (4,)))
+
+    def dropped(v):
+        jaxps.push_pull(v, average=False, name="barrier")
+        return v * 2
+
+    def used(v):
+        return jaxps.push_pull(v, average=False, name="barrier")
+
+    f = jax.jit(dropped if jaxps.rank() == 0 else used)
+    for _ in range(2):
+        out = f(x)
+        if jaxps.rank() != 0:
+            np.testing.assert_allclose(out, total((4,)), rtol=RTOL)
+
+
+def check_remat():
+    # Under jax.checkpoint a push_pull runs once per step, not again in the
+    # backward pass: rank 0 remats, the others do not, and the rounds of
+    # every rank stay in step.
+    x = jnp.asarray(contribution(jaxps.rank(), (6,)))
+
+    def body(v):
+        return jnp.sin(jaxps.push_pull(v, average=False, name="remat"))
+
+    if jaxps.rank() == 0:
+        body = jax.checkpoint(body)
+    step = jax.jit(jax.value_and_grad(lambda v: jnp.sum(body(v))))
+    for _ in range(3):
+        value, grad = step(x)
+        np.testing.assert_allclose(value, np.sum(np.sin(total((6,)))), 1e-4)
+        # the transpose sums every rank's cotangent cos(S)
+        expected = jaxps.size() * np.cos(total((6,)))
+        np.testing.assert_allclose(grad, expected, rtol=1e-4, atol=1e-5)
+
+
 def check_vmap():
     x = jnp.asarray(contribution(jaxps.rank(), (3, 4)))
     out = jax.jit(

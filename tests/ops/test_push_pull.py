@@ -15,6 +15,8 @@ SCENARIOS = pathlib.Path(__file__).with_name("scenarios.py")
 ALL = [
     "jit",
     "grad",
+    "unused_result",
+    "remat",
     "vmap",
     "shard_map",
     "pmap",
