@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import io_callback
 
-from jaxps._src import errors, state
+from jaxps._src import errors, jit_errors, state
 from jaxps.ops._push_pull import push_pull
 
 
@@ -52,7 +52,8 @@ def broadcast(tree, root: int = 0, *, name: str = "broadcast"):
     call at all. Every worker must pass the same `root`; otherwise every
     worker raises `jaxps.errors.JaxpsError` naming each rank's root instead
     of returning a mix (under `jax.jit` the error comes when the program
-    runs, as the `jax.errors.JaxRuntimeError` of the failed computation).
+    runs, as the `jax.errors.JaxRuntimeError` of the failed computation;
+    `jaxps.errors.typed` gives it back as `JaxpsError`).
 
     Under `jax.grad` broadcast is the linear map "every worker gets root's
     input": the gradient w.r.t. root's floating leaves is the sum of all
@@ -122,7 +123,7 @@ def _exchange(spec: _Spec, leaves):
     if isinstance(roots, jax.core.Tracer):
         # Under jit: checked when the program runs; the words wait for it.
         words = words + io_callback(
-            functools.partial(_check_roots, spec.name),
+            jit_errors.in_callback(functools.partial(_check_roots, spec.name)),
             jax.ShapeDtypeStruct((), jnp.int32),
             roots,
             ordered=False,

@@ -27,6 +27,7 @@ from jax.experimental import io_callback
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from jaxps._src import jit_errors
 from jaxps.ops import _host
 
 
@@ -96,14 +97,17 @@ def _impl(*args, names, average, priorities, mode):
 def _callbacks(*args, names, average, priorities, mode):
     *arrays, shard = args
     ticket = io_callback(
-        functools.partial(_host.start, names, average, priorities, mode),
+        jit_errors.in_callback(
+            functools.partial(_host.start, names, average, priorities, mode)
+        ),
         jax.ShapeDtypeStruct((), jnp.int32),
         shard,
         *arrays,
         ordered=False,
     )
     results = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
-    return list(io_callback(_host.done, results, ticket, ordered=False))
+    done = jit_errors.in_callback(_host.done)
+    return list(io_callback(done, results, ticket, ordered=False))
 
 
 def _suffixed(names, suffix):

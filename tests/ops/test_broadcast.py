@@ -242,6 +242,25 @@ def check_mismatched_roots(jaxps):
         jax.block_until_ready(f(tree))
     except jax.errors.JaxRuntimeError as err:
         assert want in str(err) and "JaxpsError" in str(err), str(err)
+        # the runtime error leads back to the callback's own error
+        assert type(jaxps.errors.original(err)) is jaxps.errors.JaxpsError
+    else:
+        raise AssertionError("jitted broadcast with mismatched roots returned")
+    # Under jaxps.errors.typed the jitted error is caught by its own type,
+    # chained to JAX's runtime error.
+    try:
+        with jaxps.errors.typed():
+            jax.block_until_ready(f(tree))
+    except jaxps.errors.JaxpsError as err:
+        assert want in str(err), str(err)
+        assert isinstance(err.__cause__, jax.errors.JaxRuntimeError)
+    else:
+        raise AssertionError("jitted broadcast with mismatched roots returned")
+    step = jaxps.errors.typed()(f)  # as a decorator
+    try:
+        jax.block_until_ready(step(tree))
+    except jaxps.errors.JaxpsError as err:
+        assert want in str(err), str(err)
     else:
         raise AssertionError("jitted broadcast with mismatched roots returned")
     # the job goes on: the next broadcast agrees again
