@@ -31,6 +31,7 @@ _LAZY = {
     "DistributedState": "jaxps._src.optimizer",
     "SyncGradientsState": "jaxps._src.optimizer",
     "sync_gradients": "jaxps._src.optimizer",
+    "sync_batch_stats": "jaxps._src.batch_stats",
     "broadcast": "jaxps.ops",
     "push_pull": "jaxps.ops",
 }
@@ -53,6 +54,7 @@ def __dir__():
 
 
 if typing.TYPE_CHECKING:  # the lazy names, for type checkers and readers
+    from jaxps._src.batch_stats import sync_batch_stats  # noqa: F401
     from jaxps._src.optimizer import (  # noqa: F401
         AsyncDistributedOptimizer,
         AsyncState,
@@ -82,5 +84,6 @@ __all__ = [
     "rank",
     "shutdown",
     "size",
+    "sync_batch_stats",
     "sync_gradients",
 ]
