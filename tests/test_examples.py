@@ -112,3 +112,14 @@ def test_benchmark_two_workers(model):
     assert list(per_worker) == [0] and list(total) == [0], proc.stdout
     assert float(per_worker[0]) > 0
     assert float(total[0]) == pytest.approx(2 * float(per_worker[0]), abs=0.2)
+    # the workers' batches differ, so do their BatchNorm statistics, until
+    # jaxps.sync_batch_stats averages them
+    stats = _per_worker(r"batch stats checksum: (\w+ -> \w+)", proc.stdout)
+    if model == "resnet":
+        assert sorted(stats) == [0, 1], proc.stdout
+        (before0, after0), (before1, after1) = (
+            stats[r].split(" -> ") for r in (0, 1)
+        )
+        assert before0 != before1 and after0 == after1, proc.stdout
+    else:
+        assert stats == {}, proc.stdout
