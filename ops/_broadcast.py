@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import io_callback
 
-from jaxps._src import errors, jit_errors, state
+from jaxps._src import errors, jit_errors, naming, state
 from jaxps.ops._push_pull import push_pull
 
 
@@ -41,7 +41,7 @@ class _Leaf(tp.NamedTuple):
     impl: tp.Any  # the PRNG implementation of a key leaf, else None
 
 
-def broadcast(tree, root: int = 0, *, name: str = "broadcast"):
+def broadcast(tree, root: int = 0, *, name: str | None = None):
     """Returns `root`'s value of `tree` on every worker, bit for bit.
 
     Use it at start-up on the parameters and optimizer state (for instance
@@ -66,7 +66,8 @@ def broadcast(tree, root: int = 0, *, name: str = "broadcast"):
         every worker.
       root: the rank whose values win, the same on every worker.
       name: a name unique among the push_pulls that may be in flight at
-        once, the same on every worker.
+        once, the same on every worker. Default: the call site, numbered
+        within the `jax.jit` trace (as `push_pull`'s).
 
     Returns:
       A pytree like `tree` with `root`'s values.
@@ -97,6 +98,8 @@ def broadcast(tree, root: int = 0, *, name: str = "broadcast"):
     leaves = [x if _is_key(x) else jnp.asarray(x) for x in leaves]
     sent = [i for i, x in enumerate(leaves) if x.size]
     if sent:
+        if name is None:
+            name = naming.default_name("broadcast")
         spec = _Spec(name, root, state.rank(), size)
         outs = _exchange(spec, [leaves[i] for i in sent])
         for i, out in zip(sent, outs):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxps._src import state
+from jaxps._src import naming, state
 from jaxps.ops import _primitive
 
 
@@ -26,7 +26,7 @@ def push_pull(
     tree,
     *,
     average: bool = True,
-    name: str = "push_pull",
+    name: str | None = None,
     axis_name=None,
     priorities=None,
     mode: str = "sync",
@@ -49,7 +49,10 @@ def push_pull(
       average: divide by the number of contributions (workers, times local
         devices when `axis_name` is given). Needs floating dtypes.
       name: a name unique among the push_pulls that may be in flight at once,
-        the same on every worker; leaf paths are appended to it.
+        the same on every worker; leaf paths are appended to it. Default:
+        the call site (file and line) numbered within the `jax.jit` trace,
+        so that two push_pulls of one step never collide (see README,
+        "Names").
       axis_name: the shard_map / pmap axis of the local devices, or None.
       priorities: one int per leaf; higher goes out first. Default: leaves
         earlier in the tree first.
@@ -71,6 +74,8 @@ def push_pull(
     if not leaves:
         return tree
     runtime = state.runtime()  # fail at trace time if not initialized
+    if name is None:
+        name = naming.default_name("push_pull")
     names = leaf_names(tree, name)
     runtime.check_mode(names, mode)  # at trace time, not inside a callback
     if priorities is None:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxps._src import naming
 from jaxps._src.compression import Compression
 from jaxps.ops import push_pull
 
@@ -58,7 +59,7 @@ def sync_gradients(
     average: bool = True,
     backward_passes_per_step: int = 1,
     axis_name=None,
-    name: str = "grads",
+    name: str | None = None,
     compression: Compression | None = None,
 ) -> optax.GradientTransformation:
     """Replaces the gradients by their mean (or sum) over all workers.
@@ -82,7 +83,8 @@ def sync_gradients(
       backward_passes_per_step: local accumulation steps per communication;
         their gradients are averaged.
       axis_name: the shard_map / pmap axis of the local devices, if any.
-      name: push_pull name of the gradients (unique per transformation).
+      name: push_pull name of the gradients. Default: derived from where
+        `update` is called, unique within a jitted step.
       compression: a `jaxps.compression` scheme for the wire (it averages).
 
     Returns:
@@ -106,9 +108,12 @@ def sync_gradients(
         )
 
     def sync(grads, comp_state):
+        wire_name = name or naming.default_name("grads")
         if compression is not None:
-            return compression.reduce(grads, comp_state, name)
-        mean = push_pull(grads, average=average, name=name, axis_name=axis_name)
+            return compression.reduce(grads, comp_state, wire_name)
+        mean = push_pull(
+            grads, average=average, name=wire_name, axis_name=axis_name
+        )
         return mean, comp_state
 
     def init_fn(params):
@@ -145,7 +150,7 @@ def DistributedOptimizer(  # noqa: N802 - the name users know from BytePS
     average: bool = True,
     backward_passes_per_step: int = 1,
     axis_name=None,
-    name: str = "grads",
+    name: str | None = None,
     compression: Compression | None = None,
 ) -> optax.GradientTransformation:
     """Wraps an optax optimizer so that it sees the workers' mean gradient.
@@ -169,7 +174,9 @@ def DistributedOptimizer(  # noqa: N802 - the name users know from BytePS
       backward_passes_per_step: local accumulation steps per communication;
         their gradients are averaged.
       axis_name: the shard_map / pmap axis of the local devices, if any.
-      name: push_pull name of the gradients (unique per optimizer).
+      name: push_pull name of the gradients. Default: derived from where
+        `update` is called, unique within a jitted step (two optimizers
+        in one step do not collide).
       compression: a `jaxps.compression` scheme for the wire (it averages).
 
     Returns:

@@ -104,6 +104,42 @@ def check_remat():
         np.testing.assert_allclose(grad, expected, rtol=1e-4, atol=1e-5)
 
 
+def check_default_names():
+    # Default names never collide: two push_pulls of one jitted step, from
+    # one helper or from one line, and two DistributedOptimizers.
+    def allreduce(x):
+        return jaxps.push_pull(x, average=False)
+
+    loss = jnp.asarray(contribution(jaxps.rank(), (2,)))
+    acc = jnp.asarray(contribution(jaxps.rank(), (2,)) * 2)
+
+    @jax.jit
+    def metrics(loss, acc):
+        same_line = jaxps.push_pull(loss), jaxps.push_pull(acc)
+        return allreduce(loss), allreduce(acc), same_line
+
+    for _ in range(2):
+        summed_loss, summed_acc, (mean_loss, mean_acc) = metrics(loss, acc)
+        np.testing.assert_allclose(summed_loss, total((2,)), rtol=RTOL)
+        np.testing.assert_allclose(summed_acc, 2 * total((2,)), rtol=RTOL)
+        np.testing.assert_allclose(
+            mean_acc, 2 * total((2,)) / jaxps.size(), rtol=RTOL
+        )
+    params = {"w": jnp.ones(3)}
+    grads = {"w": jnp.asarray(contribution(jaxps.rank(), (3,)))}
+    sgd = jaxps.DistributedOptimizer(optax.sgd(1.0))
+    adam = jaxps.DistributedOptimizer(optax.adam(1.0))
+
+    @jax.jit
+    def two_optimizers(s1, s2):
+        u1, s1 = sgd.update(grads, s1, params)
+        u2, s2 = adam.update(grads, s2, params)
+        return u1, u2
+
+    u1, _ = two_optimizers(sgd.init(params), adam.init(params))
+    np.testing.assert_allclose(u1["w"], -total((3,)) / jaxps.size(), rtol=RTOL)
+
+
 def check_vmap():
     x = jnp.asarray(contribution(jaxps.rank(), (3, 4)))
     out = jax.jit(

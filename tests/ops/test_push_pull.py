@@ -17,6 +17,7 @@ ALL = [
     "grad",
     "unused_result",
     "remat",
+    "default_names",
     "vmap",
     "shard_map",
     "pmap",
