@@ -9,13 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxps._src import naming
 from jaxps.ops import broadcast, push_pull
 
 _COLLECTION = "batch_stats"  # linen's name for BatchNorm's running statistics
 _VARIABLES = {"params", _COLLECTION}  # keys that mark linen variables
 
 
-def sync_batch_stats(tree, *, name: str = "batch_stats"):
+def sync_batch_stats(tree, *, name: str | None = None):
     """Averages BatchNorm running statistics over all workers.
 
     `DistributedOptimizer` keeps the parameters equal on every worker, but
@@ -42,7 +43,8 @@ def sync_batch_stats(tree, *, name: str = "batch_stats"):
       tree: an `nnx.Module`, a linen variables dict or struct with
         ``batch_stats``, or a pytree of arrays.
       name: a name unique among the push_pulls that may be in flight at
-        once, the same on every worker.
+        once, the same on every worker. Default: the call site, numbered
+        within the `jax.jit` trace (as `push_pull`'s).
 
     Returns:
       None for an `nnx.Module` (updated in place); otherwise a tree like
@@ -57,6 +59,8 @@ def sync_batch_stats(tree, *, name: str = "batch_stats"):
     {'count': Array(3, dtype=int32), 'mean': Array([1., 1.], dtype=float32)}
     >>> jaxps.shutdown()
     """
+    if name is None:
+        name = naming.default_name("batch_stats")
     # An nnx.Module can only exist if flax.nnx was imported: no need to
     # import flax for plain pytrees.
     nnx = sys.modules.get("flax.nnx")
