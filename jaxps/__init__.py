@@ -34,6 +34,7 @@ _LAZY = {
     "sync_batch_stats": "jaxps._src.batch_stats",
     "broadcast": "jaxps.ops",
     "push_pull": "jaxps.ops",
+    "value_and_grad": "jaxps.ops",
 }
 
 
@@ -63,7 +64,7 @@ if typing.TYPE_CHECKING:  # the lazy names, for type checkers and readers
         SyncGradientsState,
         sync_gradients,
     )
-    from jaxps.ops import broadcast, push_pull  # noqa: F401
+    from jaxps.ops import broadcast, push_pull, value_and_grad  # noqa: F401
 
 __all__ = [
     "AsyncDistributedOptimizer",
@@ -86,4 +87,5 @@ __all__ = [
     "size",
     "sync_batch_stats",
     "sync_gradients",
+    "value_and_grad",
 ]

@@ -18,6 +18,9 @@ from jaxps._src import errors, state, timeline
 _lock = threading.Lock()
 _tickets: dict[int, object] = {}
 _next = itertools.count(1)
+# Tickets stay below 2**24, so that a float32 holds one exactly (the
+# overlapped backward pass carries them as cotangents, see _overlap.py).
+TICKETS = 1 << 24
 
 
 def shard_names(names: tuple[str, ...], shard: int) -> list[str]:
@@ -43,12 +46,14 @@ def start(names, average, priorities, mode, shard, *arrays) -> np.ndarray:
         priorities=priorities,
         mode=mode,
     )
-    ticket = next(_next)
     with _lock:
+        ticket = 0
+        while ticket == 0 or ticket in _tickets:
+            ticket = next(_next) % TICKETS
         _tickets[ticket] = (handle, runtime.timeline)
     if runtime.timeline is not None:
         runtime.timeline.span("start", "device", began, timeline.now())
-    return np.int32(ticket & 0x7FFFFFFF)
+    return np.int32(ticket)
 
 
 def done(ticket) -> tuple[np.ndarray, ...]:

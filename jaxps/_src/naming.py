@@ -1,11 +1,11 @@
 """Default push_pull names that never collide, the same on every worker.
 
-A default name is the call site (the first frame outside jaxps: file name
-and line) plus, inside a `jax.jit` trace, the call's number among the calls
-from that site in the same top-level trace. Two push_pulls of one jitted
-step, from two lines or from one helper called twice, thus get two names,
-and every worker, tracing the same program, derives the same ones. Eager
-calls wait for their sums one after another, so they need no number.
+A default name is the call site (the first frame outside jaxps and jax:
+file name and line) plus, inside a `jax.jit` trace, the call's number among
+the calls from that site in the same top-level trace. Two push_pulls of one
+jitted step, from two lines or from one helper called twice, thus get two
+names, and every worker, tracing the same program, derives the same ones.
+Eager calls wait for their sums one after another, so they need no number.
 
 A function jitted on its own and called twice inside another trace is
 traced once: its push_pulls have the same names in both calls. Pass
@@ -28,13 +28,17 @@ _counts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 @functools.cache
 def _own_dirs() -> tuple[str, ...]:
-    """Directories of jaxps's code (ops/ is installed as jaxps.ops)."""
+    """Directories of jaxps's code (ops/ is installed as jaxps.ops) and of
+    jax's, which calls a jitted function from its tracing machinery."""
+    import jax
+    import jaxlib
+
     import jaxps
     import jaxps.ops
 
     return tuple(
         os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-        for m in (jaxps, jaxps.ops)
+        for m in (jaxps, jaxps.ops, jax, jaxlib)
     )
 
 

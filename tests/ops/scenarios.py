@@ -7,6 +7,7 @@ from every rank's (deterministic) contribution, and prints ``ok NAME``.
 
 import os
 import sys
+import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
@@ -138,6 +139,115 @@ def check_default_names():
 
     u1, _ = two_optimizers(sgd.init(params), adam.init(params))
     np.testing.assert_allclose(u1["w"], -total((3,)) / jaxps.size(), rtol=RTOL)
+
+
+def _mlp_loss(params, x):
+    for w in params:
+        x = jnp.tanh(x @ w)
+    return jnp.mean(x**2)
+
+
+def _mlp(rank, width=256, layers=6):
+    keys = jax.random.split(jax.random.key(0), layers)
+    params = [jax.random.normal(k, (width, width)) / width**0.5 for k in keys]
+    x = jax.random.normal(jax.random.key(rank + 1), (128, width))
+    return params, x
+
+
+def check_overlap():
+    # jaxps.value_and_grad equals push_pull of jax.grad bit for bit (the
+    # servers run --deterministic), and its pushes start during the
+    # backward pass, one per layer as its gradient is complete.
+    from jaxps.ops import _host
+
+    params, x = _mlp(jaxps.rank())
+    reference = jax.jit(
+        lambda p, x: jaxps.push_pull(jax.grad(_mlp_loss)(p, x), name="ref")
+    )
+    overlapped = jax.jit(jaxps.value_and_grad(_mlp_loss, name="vg"))
+    starts, start = [], _host.start
+
+    def timed(*args):
+        starts.append(time.perf_counter())
+        return start(*args)
+
+    _host.start = timed
+    try:
+        for _ in range(3):
+            starts.clear()
+            began = time.perf_counter()
+            value, grads = jax.block_until_ready(overlapped(params, x))
+            step = time.perf_counter() - began
+    finally:
+        _host.start = start
+    want = reference(params, x)
+    for got, ref in zip(grads, want):
+        np.testing.assert_array_equal(got, ref)
+    np.testing.assert_allclose(value, _mlp_loss(params, x), rtol=1e-6)
+    assert len(starts) == len(params), starts
+    # all at the end of the backward pass, they would be ~1 ms apart
+    spread = starts[-1] - starts[0]
+    assert spread > 0.25 * step, (spread, step)
+
+
+def check_overlap_nnx():
+    # nnx.Optimizer under nnx.jit, and a linen-style TrainState, step as
+    # with push_pull of the local gradients, bit for bit.
+    from flax import nnx
+    from flax.training import train_state
+
+    def make():
+        return nnx.Sequential(
+            nnx.Linear(8, 16, rngs=nnx.Rngs(0)),
+            nnx.relu,
+            nnx.Linear(16, 1, rngs=nnx.Rngs(1)),
+        )
+
+    x = jnp.asarray(contribution(jaxps.rank(), (4, 8)) / 10)
+
+    def loss(model, x):
+        return jnp.mean(model(x) ** 2)
+
+    @nnx.jit
+    def overlapped(model, opt, x):
+        value, grads = jaxps.value_and_grad(loss, name="nnx")(model, x)
+        opt.update(model, grads)
+        return value
+
+    @nnx.jit
+    def reference(model, opt, x):
+        value, grads = nnx.value_and_grad(loss)(model, x)
+        opt.update(model, jaxps.push_pull(grads, name="nnxref"))
+        return value
+
+    models = [make(), make()]
+    opts = [nnx.Optimizer(m, optax.adam(1e-2), wrt=nnx.Param) for m in models]
+    for _ in range(3):
+        overlapped(models[0], opts[0], x)
+        reference(models[1], opts[1], x)
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(models[0], nnx.Param)),
+        jax.tree.leaves(nnx.state(models[1], nnx.Param)),
+    ):
+        np.testing.assert_array_equal(a, b)
+
+    params = {"w": jnp.ones((8, 1)) / 8}
+    tx = optax.sgd(0.1)
+    states = [
+        train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+        for _ in range(2)
+    ]
+
+    def linen_loss(p, x):
+        return jnp.mean((x @ p["w"]) ** 2)
+
+    grads = jaxps.value_and_grad(linen_loss, name="linen")(params, x)[1]
+    local = jax.grad(linen_loss)(params, x)
+    states[0] = states[0].apply_gradients(grads=grads)
+    states[1] = states[1].apply_gradients(
+        grads=jaxps.push_pull(local, name="linenref")
+    )
+    np.testing.assert_array_equal(states[0].params["w"], states[1].params["w"])
 
 
 def check_vmap():
