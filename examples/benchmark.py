@@ -1,7 +1,9 @@
 """Synthetic-data training throughput of jaxps, in the style of BytePS.
 
-Every step runs forward, backward, a push_pull of all gradients through the
-summation servers and an SGD update, on one fixed random batch per worker.
+Every step runs forward, backward (pushing each gradient to the summation
+servers as soon as it is ready, `jaxps.value_and_grad`; `--no-overlap`
+push_pulls them all after it instead) and an SGD update, on one fixed random
+batch per worker.
 After a few warm-up batches (which include compilation) it times
 ``--num-iters`` iterations of ``--num-batches-per-iter`` steps each, then
 averages the ResNet's BatchNorm statistics over the workers.
@@ -44,6 +46,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-batches-per-iter", type=int, default=5)
     p.add_argument("--num-iters", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="push_pull all gradients after the backward pass "
+        "(DistributedOptimizer) instead of during it (jaxps.value_and_grad)",
+    )
     return p.parse_args(argv)
 
 
@@ -146,14 +154,23 @@ def checksum(tree) -> str:
     return h.hexdigest()[:12]
 
 
+def _loss(model, x, y):
+    logits = model(x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
 @nnx.jit
 def train_step(model, optimizer, x, y):
-    def loss_fn(model):
-        logits = model(x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    # each gradient's push starts in the backward pass; averaged on return
+    loss, grads = jaxps.value_and_grad(_loss)(model, x, y)
+    optimizer.update(model, grads)  # plain SGD
+    return loss
 
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    optimizer.update(model, grads)
+
+@nnx.jit
+def train_step_after_backward(model, optimizer, x, y):
+    loss, grads = nnx.value_and_grad(_loss)(model, x, y)
+    optimizer.update(model, grads)  # DistributedOptimizer push_pulls them
     return loss
 
 
@@ -173,9 +190,11 @@ def main(argv=None) -> list[float]:
     model_cls = ResNet if args.model == "resnet" else Transformer
     model = model_cls(nnx.Rngs(args.seed))
     nnx.update(model, jaxps.broadcast(nnx.state(model, nnx.Param)))
-    optimizer = nnx.Optimizer(
-        model, jaxps.DistributedOptimizer(optax.sgd(0.01)), wrt=nnx.Param
-    )
+    step_fn, tx = train_step, optax.sgd(0.01)
+    if args.no_overlap:
+        step_fn = train_step_after_backward
+        tx = jaxps.DistributedOptimizer(tx)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     x, y = synthetic_batch(
         args.model, args.batch_size, jax.random.key(args.seed + rank)
     )
@@ -187,7 +206,7 @@ def main(argv=None) -> list[float]:
     log("Running warmup...")
     start = time.perf_counter()
     for _ in range(args.num_warmup_batches):
-        train_step(model, optimizer, x, y)
+        step_fn(model, optimizer, x, y)
     jax.block_until_ready(nnx.state(model))
     log(f"Warmup took {time.perf_counter() - start:.1f} s (with compilation)")
 
@@ -196,7 +215,7 @@ def main(argv=None) -> list[float]:
     for i in range(args.num_iters):
         start = time.perf_counter()
         for _ in range(args.num_batches_per_iter):
-            loss = train_step(model, optimizer, x, y)
+            loss = step_fn(model, optimizer, x, y)
         jax.block_until_ready((loss, nnx.state(model)))
         took = time.perf_counter() - start
         rates.append(args.batch_size * args.num_batches_per_iter / took)

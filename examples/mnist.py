@@ -1,9 +1,11 @@
 """Data-parallel training of a small CNN on scikit-learn's 8x8 digits.
 
 Each worker trains on its own 1/N slice of the training set; the gradients
-are averaged over the workers by `jaxps.DistributedOptimizer`, so all
-workers keep identical parameters. The digits ship with scikit-learn, so
-nothing is downloaded.
+are averaged over the workers by `jaxps.value_and_grad`, which starts each
+gradient's push during the backward pass, so all workers keep identical
+parameters (`--no-overlap`, `--compression` and `--async` use
+`jaxps.DistributedOptimizer` / `AsyncDistributedOptimizer` instead). The
+digits ship with scikit-learn, so nothing is downloaded.
 
 Run it on one machine with 2 workers and 2 summation servers::
 
@@ -52,6 +54,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         dest="async_mode",
         action="store_true",
         help="asynchronous training (launch with jaxps-launch --async)",
+    )
+    p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="average the gradients after the backward pass, in the optimizer",
     )
     p.add_argument(
         "--min-accuracy",
@@ -105,8 +112,17 @@ def loss_fn(model, x, y):
 
 @nnx.jit
 def train_step(model, optimizer, x, y):
+    # pushes each gradient as soon as the backward pass has it; the
+    # gradients come back averaged over the workers
+    loss, grads = jaxps.value_and_grad(loss_fn)(model, x, y)
+    optimizer.update(model, grads)  # a plain optax optimizer
+    return loss
+
+
+@nnx.jit
+def train_step_after_backward(model, optimizer, x, y):
     loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
-    optimizer.update(model, grads)  # push_pulls the gradients first
+    optimizer.update(model, grads)  # DistributedOptimizer: push_pulls first
     return loss
 
 
@@ -148,7 +164,13 @@ def main(argv=None) -> float:
         nnx.update(model, jaxps.broadcast(nnx.state(model, nnx.Param)))
         print(f"params checksum after broadcast: {checksum(model)}", flush=True)
 
-    if args.async_mode:
+    overlap = not (
+        args.async_mode or args.no_overlap or args.compression != "none"
+    )
+    step_fn = train_step if overlap else train_step_after_backward
+    if overlap:
+        tx = optax.adam(args.lr)
+    elif args.async_mode:
         tx = jaxps.AsyncDistributedOptimizer(optax.adam(args.lr))
     else:
         tx = jaxps.DistributedOptimizer(
@@ -167,9 +189,7 @@ def main(argv=None) -> float:
         losses = []
         for i in range(steps):
             idx = order[i * args.batch_size : (i + 1) * args.batch_size]
-            losses.append(
-                train_step(model, optimizer, x_train[idx], y_train[idx])
-            )
+            losses.append(step_fn(model, optimizer, x_train[idx], y_train[idx]))
             bar.update()
         if rank == 0:
             bar.write(
