@@ -17,6 +17,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.experimental import io_callback
 
 from jaxps._src import jit_errors, naming, state
@@ -46,17 +47,29 @@ def _tap_fwd(leaf, slot, spec):
 
 
 def _tap_bwd(spec, _, cotangent):
-    name, average, priority, mode = spec
+    name, average, priority, axis_name = spec
+    shard, pushed = jnp.int32(0), cotangent
+    if axis_name is not None:  # this device pushes its 1/L of the local sum
+        shard = lax.axis_index(axis_name).astype(jnp.int32)
+        pushed = lax.psum_scatter(
+            _padded(cotangent, lax.axis_size(axis_name)), axis_name, tiled=True
+        )
+        average = False  # divided by workers x local devices in _collect
     ticket = io_callback(
         jit_errors.in_callback(
-            functools.partial(_start, name, average, priority, mode)
+            functools.partial(_start, name, average, priority, "sync")
         ),
         jax.ShapeDtypeStruct((), jnp.float32),
-        jnp.int32(0),
-        cotangent,
+        shard,
+        pushed,
         ordered=False,
     )
     return jnp.zeros_like(cotangent), ticket
+
+
+def _padded(leaf, local):
+    flat = jnp.ravel(leaf)
+    return jnp.pad(flat, (0, -flat.size % local))
 
 
 _tap.defvjp(_tap_fwd, _tap_bwd)
@@ -70,6 +83,7 @@ def value_and_grad(
     average: bool = True,
     name: str | None = None,
     priorities=None,
+    axis_name=None,
 ):
     """`jax.value_and_grad` whose gradients are summed over the workers.
 
@@ -83,8 +97,13 @@ def value_and_grad(
     argument: the gradients are those of its `nnx.Param` variables, as
     `nnx.value_and_grad` gives them.
 
-    Not covered (use `DistributedOptimizer`): ``axis_name`` (local devices
-    under shard_map / pmap), ``backward_passes_per_step`` and compression.
+    Inside shard_map or pmap over the host's local devices pass that axis
+    as `axis_name`: each gradient is reduce-scattered over the local
+    devices in the backward pass, each device pushes its own shard, and the
+    sums are all-gathered back (as `push_pull`'s hierarchical path).
+
+    Not covered (use `DistributedOptimizer`): ``backward_passes_per_step``
+    (local accumulation) and compression.
 
     Args:
       fun: the loss; returns a scalar (and an aux value if `has_aux`).
@@ -96,6 +115,7 @@ def value_and_grad(
       priorities: one int per leaf, higher goes out first. Default: leaves
         earlier in the tree first (the first layers, which the next
         forward pass needs first).
+      axis_name: the shard_map / pmap axis of the local devices, or None.
 
     Returns:
       A function with `fun`'s arguments that returns ``(value, grads)``
@@ -127,10 +147,21 @@ def value_and_grad(
         nnx = sys.modules.get("flax.nnx")
         if nnx is not None and isinstance(target, nnx.Module):
             return _module_value_and_grad(
-                nnx, fun, argnums, has_aux, args, kwargs, base, average
+                nnx,
+                fun,
+                argnums,
+                has_aux,
+                args,
+                kwargs,
+                base,
+                average,
+                axis_name,
+                runtime.size,
             )
         leaves, treedef = jax.tree.flatten(target)
-        specs = _specs(target, base, average, priorities, len(leaves))
+        specs = _specs(
+            target, base, average, priorities, len(leaves), axis_name
+        )
         slots = [jnp.zeros((), jnp.float32) for _ in leaves]
 
         def tapped(tree, slots, *rest):
@@ -146,13 +177,15 @@ def value_and_grad(
         value, (grads, tickets) = jax.value_and_grad(
             tapped, argnums=(0, 1), has_aux=has_aux
         )(target, slots, *rest)
-        return value, _collect(grads, tickets, specs)
+        return value, _collect(
+            grads, tickets, specs, average, axis_name, runtime.size
+        )
 
     return wrapped
 
 
-def _specs(tree, base, average, priorities, count):
-    """Per leaf: (wire name, average, priority, mode), or None (empty)."""
+def _specs(tree, base, average, priorities, count, axis_name):
+    """Per leaf: (wire name, average, priority, axis_name), or None."""
     leaves = jax.tree.leaves(tree)
     if priorities is None:
         priorities = [-i for i in range(count)]
@@ -172,11 +205,13 @@ def _specs(tree, base, average, priorities, count):
                 "leaves."
             )
         empty = not np.prod(jnp.shape(leaf))
-        specs.append(None if empty else (leaf_name, average, priority, "sync"))
+        specs.append(
+            None if empty else (leaf_name, average, priority, axis_name)
+        )
     return specs
 
 
-def _collect(grads, tickets, specs):
+def _collect(grads, tickets, specs, average, axis_name, workers):
     """The summed gradients: one done per pushed leaf."""
     leaves, treedef = jax.tree.flatten(grads)
     outs = []
@@ -184,24 +219,31 @@ def _collect(grads, tickets, specs):
         if spec is None:
             outs.append(leaf)
             continue
+        pushed = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+        if axis_name is not None:
+            local = lax.axis_size(axis_name)
+            size = _padded(leaf, local).size // local
+            pushed = jax.ShapeDtypeStruct((size,), leaf.dtype)
         (out,) = io_callback(
-            jit_errors.in_callback(_done),
-            (jax.ShapeDtypeStruct(leaf.shape, leaf.dtype),),
-            ticket,
-            ordered=False,
+            jit_errors.in_callback(_done), (pushed,), ticket, ordered=False
         )
+        if axis_name is not None:
+            if average:
+                out = out / jnp.asarray(workers * local, out.dtype)
+            out = lax.all_gather(out, axis_name, tiled=True)
+            out = out[: leaf.size].reshape(leaf.shape)
         outs.append(out)
     return treedef.unflatten(outs)
 
 
 def _module_value_and_grad(
-    nnx, fun, argnums, has_aux, args, kwargs, base, average
+    nnx, fun, argnums, has_aux, args, kwargs, base, average, axis_name, size
 ):
     """`value_and_grad` of an `nnx.Module` argument, by its `nnx.Param`s."""
     module = args[argnums]
     params = nnx.state(module, nnx.Param)
     leaves = jax.tree.leaves(params)
-    specs = _specs(params, base, average, None, len(leaves))
+    specs = _specs(params, base, average, None, len(leaves), axis_name)
     slots = [jnp.zeros((), jnp.float32) for _ in leaves]
 
     def tapped(module, slots):
@@ -219,4 +261,4 @@ def _module_value_and_grad(
     value, (grads, tickets) = nnx.value_and_grad(
         tapped, argnums=(0, 1), has_aux=has_aux
     )(module, slots)
-    return value, _collect(grads, tickets, specs)
+    return value, _collect(grads, tickets, specs, average, axis_name, size)

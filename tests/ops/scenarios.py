@@ -190,6 +190,43 @@ def check_overlap():
     assert spread > 0.25 * step, (spread, step)
 
 
+def check_overlap_shard_map():
+    # The hierarchical path: each device's gradient is reduce-scattered over
+    # the local devices in the backward pass; bit for bit push_pull's.
+    mesh = jax.make_mesh((4,), ("local",))
+    params, _ = _mlp(0, width=16, layers=3)
+    params = params + [jnp.ones((5,))]  # a leaf that does not split in 4
+    x = jax.device_put(
+        jax.random.normal(jax.random.key(jaxps.rank()), (4 * 8, 16)),
+        NamedSharding(mesh, P("local")),
+    )
+
+    def loss(p, x):
+        return _mlp_loss(p[:-1], x) + jnp.sum(p[-1] ** 2 * jnp.mean(x))
+
+    def per_device(p, x):
+        ref = jaxps.push_pull(
+            jax.grad(loss)(p, x), axis_name="local", name="smref"
+        )
+        value, grads = jaxps.value_and_grad(
+            loss, name="smvg", axis_name="local"
+        )(p, x)
+        return ref, grads, value[None]
+
+    f = jax.jit(
+        jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(P(), P("local")),
+            out_specs=(P(), P(), P("local")),
+            check_vma=False,
+        )
+    )
+    ref, grads, _ = f(params, x)
+    for got, want in zip(grads, ref):
+        np.testing.assert_array_equal(got, want)
+
+
 def check_overlap_nnx():
     # nnx.Optimizer under nnx.jit, and a linen-style TrainState, step as
     # with push_pull of the local gradients, bit for bit.
