@@ -24,32 +24,17 @@ def job(module_server, tmp_path_factory):
     """``(cwd, {check: [(ok, rank output)]})`` of one 2-worker job."""
     cwd = tmp_path_factory.mktemp("batch_stats")
     # imported here, not at the top: this file also runs as a script
-    from ..ops.test_push_pull import start_ranks
+    from ..ops.test_push_pull import run_checks
 
-    results = start_ranks(
-        __file__,
-        CHECKS,
-        [module_server.address],
-        2,
-        cwd,
-        timeout=100,
-        jaxps_timeout=20,
+    return cwd, run_checks(
+        __file__, CHECKS, module_server.address, cwd, timeout=100
     )
-    return cwd, {
-        check: [
-            (code == 0 and f"ok {check}\n" in out, out) for code, out in results
-        ]
-        for check in CHECKS
-    }
 
 
 def _assert_ok(job, check):
-    failed = [
-        f"rank {rank}: {check} failed:\n{out}"
-        for rank, (ok, out) in enumerate(job[1][check])
-        if not ok
-    ]
-    assert not failed, "\n".join(failed)
+    from ..ops.test_push_pull import assert_check_ok
+
+    assert_check_ok(job[1], check)
 
 
 def _load(job, check):

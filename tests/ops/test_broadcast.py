@@ -22,32 +22,15 @@ def job(module_server, tmp_path_factory):
     """Every check's per-rank output: {check: [(ok, rank output)]}."""
     cwd = tmp_path_factory.mktemp("broadcast")
     # imported here, not at the top: this file also runs as a script
-    from .test_push_pull import start_ranks
+    from .test_push_pull import run_checks
 
-    results = start_ranks(
-        __file__,
-        CHECKS,
-        [module_server.address],
-        2,
-        cwd,
-        timeout=120,
-        jaxps_timeout=20,
-    )
-    return {
-        check: [
-            (code == 0 and f"ok {check}\n" in out, out) for code, out in results
-        ]
-        for check in CHECKS
-    }
+    return run_checks(__file__, CHECKS, module_server.address, cwd, timeout=120)
 
 
 def _assert_ok(job, check):
-    failed = [
-        f"rank {rank}: {check} failed:\n{out}"
-        for rank, (ok, out) in enumerate(job[check])
-        if not ok
-    ]
-    assert not failed, "\n".join(failed)
+    from .test_push_pull import assert_check_ok
+
+    assert_check_ok(job, check)
 
 
 def test_every_dtype_arrives_bit_for_bit_from_root_1(job):

@@ -67,6 +67,31 @@ def start_ranks(
     return [(p.returncode, out) for p, out in zip(procs, outputs)]
 
 
+def run_checks(script, checks, address, cwd, *, timeout):
+    """Runs the checks `checks` of a worker `script` on 2 ranks against the
+    server at `address`; returns {check: [(ok, rank output)]}, where ok
+    says the rank printed ``ok CHECK``."""
+    results = start_ranks(
+        script, checks, [address], 2, cwd, timeout=timeout, jaxps_timeout=20
+    )
+    return {
+        check: [
+            (code == 0 and f"ok {check}\n" in out, out) for code, out in results
+        ]
+        for check in checks
+    }
+
+
+def assert_check_ok(results, check):
+    """Fails naming every rank on which `check` of `run_checks` failed."""
+    failed = [
+        f"rank {rank}: {check} failed:\n{out}"
+        for rank, (ok, out) in enumerate(results[check])
+        if not ok
+    ]
+    assert not failed, "\n".join(failed)
+
+
 def run_job(
     servers, num_workers, names, tmp_path, timeout=240, script=SCENARIOS
 ):
