@@ -103,13 +103,15 @@ class AsyncStore:
         name: str = "",
         now: float | None = None,
         lent: bool = False,
+        signature: int = 0,
+        description: str = "",
     ) -> _AsyncTicket | None:
         """Validates a push; returns its work, or None for a repeat.
 
         Payloads are always copied or added at once, so `lent` changes
-        nothing here.
+        nothing here; workers send no call checks to async servers.
         """
-        del checksum, now, lent
+        del checksum, now, lent, signature, description
         dtype = self._keys.check_payload(
             key, rank, dtype_code, length, payload, name
         )
@@ -180,6 +182,14 @@ class AsyncStore:
     def expire(self, now: float | None = None) -> int:
         """Nothing expires: async pushes never wait for each other."""
         return 0
+
+    def join(self, ranks: frozenset[int]) -> int:
+        """Nothing to do: async pushes never wait for each other."""
+        del ranks
+        return 0
+
+    def reset_rounds(self) -> None:
+        """Nothing to do: each rank's rounds only tell its retries apart."""
 
     def close(self) -> None:
         """Frees every key; its memory leaves the budget."""

@@ -139,9 +139,14 @@ def decode_push(
     return header, payload, checksum, slot
 
 
-def encode_pull_reply(incarnation: str, payload, in_slot=False) -> bytes:
-    """Encodes a PullReply; `payload` is any C-contiguous buffer."""
+def encode_pull_reply(
+    incarnation: str, payload, in_slot=False, contributors: int = 0
+) -> bytes:
+    """Encodes a PullReply; `payload` is any C-contiguous buffer;
+    `contributors`: how many ranks the sum is over (0: not said)."""
     prefix = _message(1, incarnation.encode())
+    if contributors:
+        prefix += _varint(4 << 3 | _VARINT) + _varint(contributors)
     if in_slot:
         return prefix + _varint(3 << 3 | _VARINT) + _varint(1)
     view = _bytes_view(payload)
@@ -149,19 +154,29 @@ def encode_pull_reply(incarnation: str, payload, in_slot=False) -> bytes:
     return b"".join((prefix, view))
 
 
-def decode_pull_reply(data) -> tuple[str, memoryview, bool]:
-    """Decodes a PullReply: (incarnation, payload view, in_slot)."""
+def decode_pull_reply(data) -> tuple[str, memoryview, bool, int]:
+    """Decodes a PullReply: (incarnation, payload view, in_slot,
+    contributors)."""
     fields = _fields(data)
     incarnation = fields.get(1, memoryview(b""))
     payload = fields.get(2, memoryview(b""))
     in_slot = fields.get(3, 0)
+    contributors = fields.get(4, 0)
     if (
         not isinstance(incarnation, memoryview)
         or not isinstance(payload, memoryview)
         or not isinstance(in_slot, int)
+        or not isinstance(contributors, int)
     ):
         raise DecodeError("PullReply fields have the wrong wire type")
-    return bytes(incarnation).decode(errors="replace"), payload, bool(in_slot)
+    if contributors >= 1 << 32:
+        raise DecodeError(f"contributors {contributors} is not a uint32")
+    return (
+        bytes(incarnation).decode(errors="replace"),
+        payload,
+        bool(in_slot),
+        contributors,
+    )
 
 
 def _header(raw) -> pb.Header:

@@ -302,7 +302,7 @@ class _Connection:
             return False
         body = self.channel.core.incarnation.encode()
         self._send_now(
-            (_wire.DATA_REPLY.pack(_wire.DATA_OK, 0, 0, len(body)), body)
+            (_wire.DATA_REPLY.pack(_wire.DATA_OK, 0, 0, 0, len(body)), body)
         )
         return True
 
@@ -390,10 +390,12 @@ class _Connection:
         try:
             await core.push(h, memoryview(buf), checksum)
             self._out.put(
-                (_wire.DATA_REPLY.pack(_wire.DATA_ACK, 0, rid, 0), None)
+                (_wire.DATA_REPLY.pack(_wire.DATA_ACK, 0, 0, rid, 0), None)
             )
             deadline = time.monotonic() + min(max(0.0, timeout), 3600.0)
-            total = await core.pull(h, deadline=deadline, raw=True)
+            total, contributors = await core.pull_counted(
+                h, deadline=deadline, raw=True
+            )
         except _wire.Rejected as err:
             self._out.put(_error_frame(rid, err.code, err.message))
             return
@@ -404,7 +406,12 @@ class _Connection:
         # The round is summed: the store holds no view of `buf` any more.
         self.channel.pool.give(buf)
         self._out.put(
-            (_wire.DATA_REPLY.pack(_wire.DATA_SUM, 0, rid, total.nbytes), total)
+            (
+                _wire.DATA_REPLY.pack(
+                    _wire.DATA_SUM, 0, contributors, rid, total.nbytes
+                ),
+                total,
+            )
         )
 
     # -- writing -------------------------------------------------------------
@@ -434,6 +441,6 @@ def _error_frame(rid: int, code: str, message: str):
         else _wire.STATUS_CODES.index("UNKNOWN")
     )
     return (
-        _wire.DATA_REPLY.pack(_wire.DATA_ERROR, status, rid, len(body)),
+        _wire.DATA_REPLY.pack(_wire.DATA_ERROR, status, 0, rid, len(body)),
         body,
     )

@@ -26,7 +26,7 @@ import secrets
 import time
 from collections.abc import Callable
 
-from . import _shm, _wire
+from . import _join, _shm, _wire
 from ._store import PushPullStore
 
 log = logging.getLogger("jaxps.server")
@@ -53,7 +53,8 @@ class Member:
 
 
 class Session:
-    """One incarnation of a job: its store, segments and members."""
+    """One incarnation of a job: its store, segments, members and the
+    ranks that have joined (`jaxps.join`)."""
 
     def __init__(self, sid: str, job_id: str, store: PushPullStore, now):
         self.id = sid
@@ -62,6 +63,7 @@ class Session:
         self.segments = _shm.Segments(getattr(store, "budget", None))
         self.members: dict[int, Member] = {}
         self.left: set[int] = set()
+        self.joins = _join.JoinBarrier(store.num_workers)
         self.last_seen = now
         #: when a newer session of the job started (None: it is current)
         self.superseded: float | None = None
@@ -236,6 +238,7 @@ class Jobs:
             if idle >= self.idle_timeout and s.store.num_keys:
                 self._retire(s.store)
                 s.store = self._make_store()
+                s.store.join(frozenset(s.joins.joined))
                 _trim_heap()
                 log.info(
                     "%s idle for %.0f s: its keys were dropped", s.label(), idle

@@ -8,13 +8,18 @@ lent slot, and the finished sum is copied into the other lent slots, where
 their ranks' pulls find it: a 2-rank round of shared-memory pushes is one
 in-place add and one copy.
 
+A round is complete once `Round.quorum` pushes are summed: every rank's,
+or fewer while some ranks have joined (`jaxps.join`; see
+`Round.lower_quorum`).
+
 Threading rule: a round's *sum state* (`Round.parts`, `lent`, `running`,
-`summed`, `total`) changes only under `Round.lock`. `PushTicket.run` holds
-it on the thread that sums (the key's engine thread, or the event loop),
-and `Round.fail`, the event loop's only way to touch the sum state, takes
-it too. Everything else in a round belongs to the event loop. `total` is
-set last and once, and after it the sum state never changes (`run`
-asserts so), so the event loop reads `total` and `lent` without the lock.
+`summed`, `quorum`, `total`) changes only under `Round.lock`.
+`PushTicket.run` holds it on the thread that sums (the key's engine
+thread, or the event loop), and `Round.fail` and `Round.lower_quorum`, the
+event loop's only ways to touch the sum state, take it too. Everything
+else in a round belongs to the event loop. `total` is set last and once,
+and after it the sum state never changes (`run` asserts so), so the event
+loop reads `total`, `lent` and `summed` without the lock.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class Round:
     deadline: float  # monotonic time at which it fails if incomplete
     acc: np.ndarray  # the sum when no lent slot can hold it (acc. dtype)
     # -- sum state, under `lock` ---------------------------------------------
+    quorum: int = 1  # pushes that complete the round (its contributors)
     # pushes kept until they are added (the first one, or all of them in
     # rank order when deterministic)
     parts: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
@@ -49,6 +55,10 @@ class Round:
     total: np.ndarray | None = None  # the finished sum, in the wire dtype
     # -- event loop state ------------------------------------------------------
     pushed: dict[int, int] = dataclasses.field(default_factory=dict)
+    # the call check's signature (Header.signature) and the rank and
+    # description of its first push; 0: not a call check
+    signature: int = 0
+    signed_by: tuple[int, str] = (-1, "")
     encoded: bytes | None = None  # `total` encoded once for every puller
     pulled: set[int] = dataclasses.field(default_factory=set)
     error: _wire.Rejected | None = None
@@ -65,6 +75,20 @@ class Round:
             self.parts = {}
             return True
 
+    def lower_quorum(self, quorum: int, dtype: np.dtype) -> bool:
+        """Completes the round with `quorum` contributions (`dtype`: the
+        wire dtype) if that many are summed already, else lets the next
+        push that reaches `quorum` complete it; returns whether it
+        completed now. A finished, failed or empty round is left alone."""
+        with self.lock:
+            if self.total is not None or self.error is not None:
+                return False
+            self.quorum = quorum
+            if self.summed == 0 or self.summed < quorum:
+                return False
+            _finish(self, dtype, delivered=False)
+            return True
+
 
 class PushTicket:
     """The numpy work of one accepted push, run on the key's engine thread
@@ -75,17 +99,15 @@ class PushTicket:
         "round",
         "rank",
         "data",
-        "num_workers",
         "ordered",
         "lent",
     )
 
-    def __init__(self, key, rnd, rank, data, num_workers, ordered, lent):
+    def __init__(self, key, rnd, rank, data, ordered, lent):
         self.key = key
         self.round = rnd
         self.rank = rank
         self.data = data
-        self.num_workers = num_workers
         self.ordered = ordered
         self.lent = lent
 
@@ -106,8 +128,8 @@ class PushTicket:
                 rnd.lent[self.rank] = self.data
             delivered = self._add()
             rnd.summed += 1
-            if rnd.summed == self.num_workers:
-                self._finish(delivered)
+            if rnd.summed == rnd.quorum:
+                _finish(rnd, self.data.dtype, delivered)
             return rnd.total is not None
 
     def _add(self) -> bool:
@@ -151,7 +173,7 @@ class PushTicket:
         """A later push: adds it to the running sum; the round's last add
         copies the sum into the other lent slots block by block."""
         rnd, data, running = self.round, self.data, self.round.running
-        last = rnd.summed + 1 == self.num_workers
+        last = rnd.summed + 1 == rnd.quorum
         if last and running.dtype == data.dtype and len(rnd.lent) > 1:
             slots = [s for s in rnd.lent.values() if s is not running]
             _kernels.add_and_copy(running, data, slots)
@@ -159,26 +181,27 @@ class PushTicket:
         np.add(running, data, out=running, casting="unsafe")
         return False
 
-    def _finish(self, delivered: bool) -> None:
-        """Makes the total and copies it into every lent slot (unless the
-        last add `delivered` it there already)."""
-        rnd = self.round
-        if rnd.parts:  # deterministic, or a single rank
-            ranks = sorted(rnd.parts)
-            parts = [rnd.parts[r] for r in ranks]
-            rnd.parts = {}
-            rnd.running = _sum_into(rnd, parts, [r in rnd.lent for r in ranks])
-        total = _kernels.cast(rnd.running, self.data.dtype)
-        for slot in () if delivered else rnd.lent.values():
-            if slot is not total:
-                np.copyto(slot, total)
-        if len(rnd.lent) < self.num_workers and any(
-            slot is total for slot in rnd.lent.values()
-        ):
-            # gRPC pullers need the sum after the slot's owner reuses it
-            np.copyto(rnd.acc, total)
-            total = rnd.acc
-        rnd.total = total
+
+def _finish(rnd: Round, dtype: np.dtype, delivered: bool) -> None:
+    """Makes the total of `rnd` (in the wire `dtype`, under its lock) and
+    copies it into every lent slot (unless the last add `delivered` it
+    there already)."""
+    if rnd.parts:  # deterministic, or a single contribution
+        ranks = sorted(rnd.parts)
+        parts = [rnd.parts[r] for r in ranks]
+        rnd.parts = {}
+        rnd.running = _sum_into(rnd, parts, [r in rnd.lent for r in ranks])
+    total = _kernels.cast(rnd.running, dtype)
+    for slot in () if delivered else rnd.lent.values():
+        if slot is not total:
+            np.copyto(slot, total)
+    if len(rnd.lent) < rnd.summed and any(
+        slot is total for slot in rnd.lent.values()
+    ):
+        # gRPC pullers need the sum after the slot's owner reuses it
+        np.copyto(rnd.acc, total)
+        total = rnd.acc
+    rnd.total = total
 
 
 def _sum_into(rnd: Round, parts: list, lent: list[bool]) -> np.ndarray:

@@ -92,6 +92,10 @@ class SummationServicer:
                 self.Bye,
                 response_serializer=pb.ByeReply.SerializeToString,
             ),
+            "Join": grpc.unary_unary_rpc_method_handler(
+                self.Join,
+                response_serializer=pb.JoinReply.SerializeToString,
+            ),
         }
         return grpc.method_handlers_generic_handler(_wire.SERVICE_NAME, methods)
 
@@ -209,3 +213,20 @@ class SummationServicer:
         except _wire.Rejected as err:
             await self._abort(context, err)
         return pb.ByeReply(incarnation=self.summation.incarnation)
+
+    async def Join(self, request: bytes, context):
+        """Rank joins (`jaxps.join`); answered once every rank has."""
+        core = self.summation
+        try:
+            request = _decode(pb.JoinRequest, request)
+            timeout = request.timeout
+            if not 0 <= timeout < math.inf:  # also NaN
+                raise _wire.Rejected(
+                    "INVALID_ARGUMENT",
+                    f"join timeout must be finite and >= 0, got {timeout}.",
+                )
+            deadline = min(_deadline(context), time.monotonic() + timeout)
+            last = await core.join(request.header, deadline=deadline)
+        except _wire.Rejected as err:
+            await self._abort(context, err)
+        return pb.JoinReply(incarnation=core.incarnation, last_rank=last)

@@ -81,6 +81,8 @@ class PushPullStore(Protocol):
         name: str = "",
         now: float | None = None,
         lent: bool = False,
+        signature: int = 0,
+        description: str = "",
     ) -> Ticket | None: ...
 
     def finish_push(
@@ -112,6 +114,14 @@ class PushPullStore(Protocol):
 
     def expire(self, now: float | None = None) -> int: ...
 
+    def join(self, ranks: frozenset[int]) -> int:
+        """The ranks in `ranks` have joined (`jaxps.join`): rounds complete
+        without them; returns how many rounds that completed now."""
+
+    def reset_rounds(self) -> None:
+        """Every rank joined: keys start again at the round of their next
+        push, and nobody is joined."""
+
     def close(self) -> None:
         """Frees every key (the store's session ended)."""
 
@@ -133,7 +143,8 @@ def check_rank(rank: int, num_workers: int) -> None:
         )
 
 
-def _tobytes(array: np.ndarray) -> bytes:
+def _tobytes(array: np.ndarray, contributors: int = 0) -> bytes:
+    del contributors
     return array.tobytes()
 
 
@@ -291,8 +302,9 @@ class Store:
       deterministic: sum contributions in rank order, so the result is bitwise
         the same whatever the arrival order.
       round_window: how many rounds of one key may be live at once.
-      encode: turns a finished sum (an array) into the bytes every puller
-        receives; the default is the raw array bytes.
+      encode: turns a finished sum (an array) and its number of
+        contributors into the bytes every puller receives; the default is
+        the raw array bytes.
       budget: the memory cap this store counts its accumulators and encoded
         sums against (shared by a server's stores).
     """
@@ -322,9 +334,17 @@ class Store:
         self.rounds_completed = 0
         self.bytes_summed = 0
         self.last_round_by_rank: dict[int, int] = {}
+        #: ranks that have joined (`jaxps.join`): rounds complete without them
+        self.joined: frozenset[int] = frozenset()
 
     def check_rank(self, rank: int) -> None:
         self._keys.check_rank(rank)
+
+    def _missing(self, rnd: Round) -> list[int]:
+        """The ranks a round still waits for (joined ranks push nothing)."""
+        return sorted(
+            set(range(self.num_workers)) - set(rnd.pushed) - self.joined
+        )
 
     # -- pushes ------------------------------------------------------------
 
@@ -341,11 +361,16 @@ class Store:
         name: str = "",
         now: float | None = None,
         lent: bool = False,
+        signature: int = 0,
+        description: str = "",
     ) -> PushTicket | None:
         """Validates a push; returns its work, or None for a repeat.
 
         A push whose dtype or length contradicts the key's first push fails
-        the round for every rank, so nobody waits for a sum that cannot be.
+        the round for every rank, so nobody waits for a sum that cannot be;
+        so does a call check (a nonzero `signature`, with its
+        `description`) that differs from the round's first. A rank that
+        has joined may not push.
         Payloads are kept (not copied) until they are added. A `lent`
         payload is a writable buffer that the store may use until `rank`
         pulls the round: the sum is made or left in it, and that pull must
@@ -354,6 +379,13 @@ class Store:
         dtype = self._keys.check_payload(
             key, rank, dtype_code, length, payload, name
         )
+        if rank in self.joined:
+            raise StoreError(
+                "FAILED_PRECONDITION",
+                f"rank {rank} pushed key {key} ({name}) round {round} after "
+                "it joined (jaxps.join): a joined rank pushes nothing until "
+                "every rank has joined.",
+            )
         try:
             k = self._keys.add(key, dtype_code, length, name)
         except StoreError as err:
@@ -378,20 +410,36 @@ class Store:
                     "kept.",
                 )
             return None  # an identical retry: acknowledged, not summed again
+        if signature:
+            self._check_call(k, rnd, rank, signature, description)
         rnd.pushed[rank] = checksum
         if round > self.last_round_by_rank.get(rank, -1):
             self.last_round_by_rank[rank] = round
         data = np.frombuffer(payload, dtype=dtype)
         self.bytes_summed += len(payload)
-        return PushTicket(
-            k,
-            rnd,
-            rank,
-            data,
-            self.num_workers,
-            self.deterministic,
-            lent,
+        return PushTicket(k, rnd, rank, data, self.deterministic, lent)
+
+    def _check_call(
+        self, k: Key, rnd: Round, rank: int, signature: int, description: str
+    ) -> None:
+        """Keeps the first call check of a round; one that differs fails
+        the round for every rank, naming both ranks and trees."""
+        if not rnd.signature:
+            rnd.signature, rnd.signed_by = signature, (rank, description)
+            return
+        if signature == rnd.signature:
+            return
+        first, theirs = rnd.signed_by
+        err = StoreError(
+            "INVALID_ARGUMENT",
+            f"{_wire.MISMATCH_PREFIX}push_pull {k.name!r} (round "
+            f"{rnd.number}) differs between ranks: rank {first} pushed "
+            f"[{theirs}] but rank {rank} pushed [{description}]; every rank "
+            "must push_pull the same names, shapes and dtypes under one "
+            "name.",
         )
+        self._poison(k.key, rnd.number, err)
+        raise err
 
     def finish_push(
         self, ticket: PushTicket, error: BaseException | None = None
@@ -470,7 +518,7 @@ class Store:
             raise rnd.error
         k = self._keys.get(key)
         if rnd.total is None:
-            missing = sorted(set(range(self.num_workers)) - set(rnd.pushed))
+            missing = self._missing(rnd)
             raise StoreError(
                 "DEADLINE_EXCEEDED",
                 f"pull of round {rnd.number} of key {k.label} by rank "
@@ -496,18 +544,18 @@ class Store:
                 )
             return into
         if own is not None:
-            return own if raw else self.encode(own)
+            return own if raw else self.encode(own, rnd.summed)
         if raw:
             return rnd.total
         if rnd.encoded is None:
             self._reserve(rnd.total.nbytes, f"the sum of key {k.label}")
-            rnd.encoded = self.encode(rnd.total)
+            rnd.encoded = self.encode(rnd.total, rnd.summed)
         return rnd.encoded
 
     def _take(self, k: Key, rnd: Round, rank: int, raw: bool, into):
         answer = self._answer(k, rnd, rank, raw, into)
         rnd.pulled.add(rank)
-        if len(rnd.pulled) == self.num_workers:
+        if rnd.pulled >= rnd.pushed.keys():  # every contributor pulled
             del k.rounds[rnd.number]
             if rnd.number > k.done:
                 k.done = rnd.number
@@ -575,7 +623,7 @@ class Store:
             self._wake(rnd)
 
     def _fail(self, k: Key, rnd: Round) -> bool:
-        missing = sorted(set(range(self.num_workers)) - set(rnd.pushed))
+        missing = self._missing(rnd)
         failed = rnd.fail(
             StoreError(
                 "DEADLINE_EXCEEDED",
@@ -588,6 +636,44 @@ class Store:
             k.done = max(k.done, rnd.number)
             self._wake(rnd)
         return failed
+
+    # -- join --------------------------------------------------------------
+
+    def join(self, ranks: frozenset[int]) -> int:
+        """The ranks in `ranks` have joined: every live round completes once
+        the other ranks pushed (a joined rank's earlier push still counts);
+        returns how many completed now."""
+        self.joined = frozenset(ranks)
+        others = set(range(self.num_workers)) - self.joined
+        completed = 0
+        for k in self._keys:
+            dtype = _wire.code_dtype(k.dtype_code)
+            for rnd in k.rounds.values():
+                if rnd.lower_quorum(len(others | rnd.pushed.keys()), dtype):
+                    self.rounds_completed += 1
+                    completed += 1
+                    self._wake(rnd)
+        return completed
+
+    def reset_rounds(self) -> None:
+        """Every rank joined: each key starts again at the round of its next
+        push (workers start again at 0), and nobody is joined. Rounds still
+        live (a rank that never pulled) fail."""
+        self.joined = frozenset()
+        for k in self._keys:
+            for rnd in k.rounds.values():
+                if rnd.fail(
+                    StoreError(
+                        "ABORTED",
+                        f"round {rnd.number} of key {k.label} was dropped: "
+                        "every rank joined (jaxps.join) before it completed.",
+                    )
+                ):
+                    self._wake(rnd)
+                self._drop(rnd)
+            if k.last is not None:
+                self._drop(k.last)
+            k.rounds, k.last, k.done = {}, None, -1
 
     # -- rounds ------------------------------------------------------------
 
@@ -614,6 +700,7 @@ class Store:
             now,
             now + self.round_timeout,
             self._accumulator(k, number),
+            quorum=self.num_workers - len(self.joined),
         )
         k.rounds[number] = rnd
         return rnd

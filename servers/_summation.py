@@ -7,7 +7,8 @@ call it and encode its answers. A request is refused by raising
 
 A chunk's header `h` is any object with the attributes of `pb.Header`:
 ``version``, ``job_id``, ``session``, ``rank``, ``key``, ``round``,
-``dtype``, ``length`` and ``name``.
+``dtype``, ``length`` and ``name``; a call check's also has ``signature``
+and ``description`` (see `_store.Store.begin_push`; others may lack them).
 """
 
 from __future__ import annotations
@@ -92,10 +93,9 @@ class Summation:
             idle_timeout=idle_timeout,
         )
         self.engines = _engine.Engines(engine_threads)
-        #: The PullReply of a sum put into the puller's shared-memory slot.
-        self.in_slot_reply = _codec.encode_pull_reply(
-            self.incarnation, None, in_slot=True
-        )
+        # the PullReplies of a sum put into the puller's shared-memory
+        # slot, by number of contributors
+        self._in_slot_replies: dict[int, bytes] = {}
 
     def _new_store(self) -> _store.PushPullStore:
         if self.async_mode:
@@ -112,8 +112,21 @@ class Summation:
     def job_id(self) -> str | None:
         return self.jobs.job_id
 
-    def _encode_reply(self, total) -> bytes:
-        return _codec.encode_pull_reply(self.incarnation, total)
+    def _encode_reply(self, total, contributors: int = 0) -> bytes:
+        return _codec.encode_pull_reply(
+            self.incarnation, total, contributors=contributors
+        )
+
+    def in_slot_reply(self, contributors: int = 0) -> bytes:
+        """The PullReply of a sum (over `contributors` ranks) put into the
+        puller's shared-memory slot."""
+        reply = self._in_slot_replies.get(contributors)
+        if reply is None:
+            reply = _codec.encode_pull_reply(
+                self.incarnation, None, True, contributors
+            )
+            self._in_slot_replies[contributors] = reply
+        return reply
 
     # -- checks ------------------------------------------------------------
 
@@ -225,6 +238,8 @@ class Summation:
             checksum=checksum,
             name=h.name,
             lent=slot is not None,
+            signature=getattr(h, "signature", 0),
+            description=getattr(h, "description", ""),
         )
         if ticket is not None:  # else an identical retry
             await self.engines.sum(ticket, store)
@@ -245,6 +260,16 @@ class Summation:
         Hello) or at the round's deadline. `slot` (a `pb.ShmSlot`) names
         `into` in the rank's shared memory instead.
         """
+        result, _ = await self.pull_counted(
+            h, deadline=deadline, raw=raw, into=into, slot=slot
+        )
+        return result
+
+    async def pull_counted(
+        self, h, *, deadline: float, raw: bool = False, into=None, slot=None
+    ) -> tuple[bytes | np.ndarray, int]:
+        """`pull`, and how many ranks the sum is over (fewer than
+        num_workers while some have joined; 0 from async servers)."""
         s = self.check_header(h)
         if slot is not None:
             into = self.slot(s, h, slot)
@@ -258,11 +283,47 @@ class Summation:
             result = store.collect(
                 h.key, rnd, h.rank, raw=raw, into=into, now=time.monotonic()
             )
+        contributors = 0 if rnd is None else rnd.summed
         if into is None:
-            return result
+            return result, contributors
         if raw:
-            return np.frombuffer(into, _wire.code_dtype(h.dtype), h.length)
-        return self.in_slot_reply
+            array = np.frombuffer(into, _wire.code_dtype(h.dtype), h.length)
+            return array, contributors
+        return self.in_slot_reply(contributors), contributors
+
+    async def join(self, h, *, deadline: float) -> int:
+        """Rank ``h.rank`` joins epoch ``h.round`` (see `_join`): rounds
+        complete without it from now on. Returns, once every rank has
+        joined, the rank that joined last; raises DEADLINE_EXCEEDED naming
+        the ranks that have not joined at `deadline`."""
+        s = self.check_header(h)
+        if self.async_mode:
+            raise _wire.Rejected(
+                "FAILED_PRECONDITION",
+                "join needs synchronous servers: with --async no round "
+                "waits for another rank.",
+            )
+        joins = s.joins
+        if joins.join(h.rank, h.round):
+            s.store.reset_rounds()
+            joins.end()
+            log.info("%s: every rank joined (epoch %d)", s.label(), h.round)
+        elif h.round == joins.epoch:
+            s.store.join(frozenset(joins.joined))
+            event = asyncio.Event()
+            joins.wait(event.set)
+            try:
+                await asyncio.wait_for(
+                    event.wait(), max(0.0, deadline - time.monotonic())
+                )
+            except asyncio.TimeoutError:
+                raise _wire.Rejected(
+                    "DEADLINE_EXCEEDED",
+                    f"join of rank {h.rank} timed out waiting for rank(s) "
+                    f"{joins.missing()} to join (ranks {sorted(joins.joined)} "
+                    "did); the rank stays joined.",
+                ) from None
+        return joins.last
 
     @staticmethod
     async def _wait(rnd, deadline: float) -> None:

@@ -22,7 +22,8 @@ import numpy as np
 
 from . import jaxps_pb2 as pb
 
-PROTOCOL_VERSION = 3
+#: 4: call checks (Header.signature), Join and the contributors of a sum.
+PROTOCOL_VERSION = 4
 #: The gRPC service of a summation server (also its health-check name).
 SERVICE_NAME = "jaxps.Summation"
 #: Trailing metadata of every rejection: the server's incarnation id, so a
@@ -155,8 +156,10 @@ def fingerprint(payload) -> int:
 # nonce, the rank and the job id. The server answers with a DATA_REPLY (kind
 # DATA_OK, body: its incarnation) or an error and closes. Then each request
 # is a DATA_REQUEST, the chunk's name (utf-8) and its payload; the server
-# answers DATA_ACK once the push is accepted and DATA_SUM with the sum once
-# the round is complete, or DATA_ERROR with a message at any point.
+# answers DATA_ACK once the push is accepted and DATA_SUM with the sum (and
+# the number of ranks it is over) once the round is complete, or DATA_ERROR
+# with a message at any point. Call checks (Header.signature) always travel
+# in gRPC messages.
 
 DATA_MAGIC = b"JXPD"
 #: magic, protocol version, rank, nonce, mac.
@@ -164,8 +167,9 @@ DATA_HELLO = struct.Struct("<4sII16s32s")
 #: op, dtype code, name bytes, rank, key, round, length (elements),
 #: checksum, request id, seconds the worker waits for the sum.
 DATA_REQUEST = struct.Struct("<BBHIQQQIId")
-#: kind, status code (`STATUS_CODES` index), request id, body bytes.
-DATA_REPLY = struct.Struct("<BBxxIQ")
+#: kind, status code (`STATUS_CODES` index), contributors (how many ranks
+#: a DATA_SUM is over; else 0), request id, body bytes.
+DATA_REPLY = struct.Struct("<BBxxIIQ")
 DATA_OP_PUSH_PULL = 1
 DATA_OK, DATA_ACK, DATA_SUM, DATA_ERROR = 0, 1, 2, 3
 DATA_NONCE_BYTES = 16
@@ -199,6 +203,10 @@ STATUS_CODES = (
     "UNAUTHENTICATED",
 )
 
+
+#: Starts the message of a call check that found ranks pushing different
+#: trees under one name (a worker raises `MismatchError` for it).
+MISMATCH_PREFIX = "push_pull mismatch: "
 
 #: Status codes that mean "the server refused this request" (a worker
 #: raises RequestRejectedError for them, on gRPC and the data channel).

@@ -25,7 +25,7 @@ INT32: DType
 INT64: DType
 
 class Header(_message.Message):
-    __slots__ = ("version", "job_id", "rank", "key", "round", "dtype", "length", "name", "session")
+    __slots__ = ("version", "job_id", "rank", "key", "round", "dtype", "length", "name", "session", "signature", "description")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,8 @@ class Header(_message.Message):
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     version: int
     job_id: str
     rank: int
@@ -44,7 +46,9 @@ class Header(_message.Message):
     length: int
     name: str
     session: str
-    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., key: _Optional[int] = ..., round: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., name: _Optional[str] = ..., session: _Optional[str] = ...) -> None: ...
+    signature: int
+    description: str
+    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., key: _Optional[int] = ..., round: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., name: _Optional[str] = ..., session: _Optional[str] = ..., signature: _Optional[int] = ..., description: _Optional[str] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
     __slots__ = ("version", "job_id", "rank", "num_workers", "session", "init_id", "timeout")
@@ -165,11 +169,29 @@ class ByeReply(_message.Message):
     def __init__(self, incarnation: _Optional[str] = ...) -> None: ...
 
 class PullReply(_message.Message):
-    __slots__ = ("incarnation", "payload", "in_slot")
+    __slots__ = ("incarnation", "payload", "in_slot", "contributors")
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     IN_SLOT_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     incarnation: str
     payload: bytes
     in_slot: bool
-    def __init__(self, incarnation: _Optional[str] = ..., payload: _Optional[bytes] = ..., in_slot: _Optional[bool] = ...) -> None: ...
+    contributors: int
+    def __init__(self, incarnation: _Optional[str] = ..., payload: _Optional[bytes] = ..., in_slot: _Optional[bool] = ..., contributors: _Optional[int] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("header", "timeout")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    header: Header
+    timeout: float
+    def __init__(self, header: _Optional[_Union[Header, _Mapping]] = ..., timeout: _Optional[float] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("incarnation", "last_rank")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    LAST_RANK_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    last_rank: int
+    def __init__(self, incarnation: _Optional[str] = ..., last_rank: _Optional[int] = ...) -> None: ...

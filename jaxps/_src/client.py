@@ -25,6 +25,9 @@ MAX_BACKOFF = 0.5
 RETRY_WINDOW = 10.0
 #: Longest wait for the answer to a Bye (the server may be gone).
 BYE_TIMEOUT = 1.0
+#: Seconds a Join call may take beyond its own timeout (the server answers
+#: by then, naming the ranks that have not joined).
+JOIN_MARGIN = 5.0
 
 _REJECTED = {getattr(grpc.StatusCode, n) for n in _wire.REJECTED_STATUSES}
 
@@ -109,6 +112,11 @@ class ServerClient:
             method + "Bye",
             request_serializer=pb.ByeRequest.SerializeToString,
             response_deserializer=pb.ByeReply.FromString,
+        )
+        self._join = self._channel.unary_unary(
+            method + "Join",
+            request_serializer=pb.JoinRequest.SerializeToString,
+            response_deserializer=pb.JoinReply.FromString,
         )
         self._header: pb.Header | None = None
         #: the job incarnation the server put this worker in (see Hello)
@@ -255,14 +263,15 @@ class ServerClient:
 
     def push_pull(
         self, header: pb.Header, checksum: int, deadline: float, slot
-    ) -> None:
-        """PushPull of a filled `slot`, blocking; retries UNAVAILABLE."""
+    ) -> int:
+        """PushPull of a filled `slot`, blocking; retries UNAVAILABLE.
+        Returns how many ranks the sum is over (0: not said)."""
         header.session = self.session
         request = _codec.encode_push(header, None, checksum, slot)
         reply = self._call(
             self._push_pull, request, deadline, header, "push_pull"
         )
-        self.decode_pull(reply, header, slot)
+        return self.decode_pull_counted(reply, header, slot)[1]
 
     def pull_future(self, header: pb.Header, deadline: float, slot=None):
         """Starts a pull; returns a grpc future of the encoded PullReply."""
@@ -278,18 +287,33 @@ class ServerClient:
         self, header: pb.Header, deadline: float, slot=None
     ) -> memoryview | None:
         """Pulls one chunk's sum, blocking; retries UNAVAILABLE."""
+        return self.pull_counted(header, deadline, slot)[0]
+
+    def pull_counted(
+        self, header: pb.Header, deadline: float, slot=None
+    ) -> tuple[memoryview | None, int]:
+        """`pull`, and how many ranks the sum is over (0: not said)."""
         header.session = self.session
         request = pb.PullRequest(header=header, slot=slot)
         reply = self._call(self._pull, request, deadline, header, "pull")
-        return self.decode_pull(reply, header, slot)
+        return self.decode_pull_counted(reply, header, slot)
 
     def decode_pull(
         self, reply: bytes, header: pb.Header, slot=None
     ) -> memoryview | None:
         """Checks an encoded PullReply; returns its payload, or None if the
         sum is in `slot`."""
+        return self.decode_pull_counted(reply, header, slot)[0]
+
+    def decode_pull_counted(
+        self, reply: bytes, header: pb.Header, slot=None
+    ) -> tuple[memoryview | None, int]:
+        """`decode_pull`, and how many ranks the sum is over (0: not
+        said)."""
         try:
-            incarnation, payload, in_slot = _codec.decode_pull_reply(reply)
+            incarnation, payload, in_slot, contributors = (
+                _codec.decode_pull_reply(reply)
+            )
         except _codec.DecodeError as err:
             raise errors.JaxpsError(
                 f"server {self.address} sent a malformed reply to the pull "
@@ -306,7 +330,21 @@ class ServerClient:
                     else "without the sum in shared memory."
                 )
             )
-        return None if in_slot else payload
+        return (None if in_slot else payload), contributors
+
+    def join(self, epoch: int, timeout: float) -> int:
+        """Joins (`jaxps.join`) the rank's `epoch`-th join epoch; returns,
+        once every rank has joined, the rank that joined last. The server
+        names the ranks that have not joined after `timeout` seconds."""
+        header = pb.Header()
+        header.CopyFrom(self._header)
+        header.round = epoch
+        header.name = "jaxps.join"
+        request = pb.JoinRequest(header=header, timeout=timeout)
+        deadline = time.monotonic() + timeout + JOIN_MARGIN
+        reply = self._call(self._join, request, deadline, header, "join")
+        self._check_incarnation(reply.incarnation, header)
+        return reply.last_rank
 
     def _call(self, method, request, deadline, header, what):
         """Calls `method`, retrying UNAVAILABLE until `deadline`."""
@@ -384,6 +422,8 @@ class ServerClient:
                 "the rank)."
             )
         if code in _REJECTED:
+            if _wire.MISMATCH_PREFIX in details:
+                return errors.MismatchError(f"{where}: {details}")
             return errors.RequestRejectedError(
                 f"{where} rejected the request ({code.name}): {details}"
             )

@@ -110,7 +110,7 @@ class DataConnection:
             self.sock.sendall(hello)
             head = memoryview(bytearray(_wire.DATA_REPLY.size))
             _wire.recv_exact(self.sock, head)
-            kind, status, _, size = _wire.DATA_REPLY.unpack(head)
+            kind, status, _, _, size = _wire.DATA_REPLY.unpack(head)
             body = bytearray(min(size, _wire.DATA_MAX_TEXT))
             _wire.recv_exact(self.sock, memoryview(body))
         except (OSError, ConnectionError) as err:
@@ -136,11 +136,12 @@ class DataConnection:
         dest: np.ndarray,
         deadline: float,
         on_ack: Callable[[], None],
-        on_done: Callable[[BaseException | None], None],
+        on_done: Callable[..., None],
     ) -> None:
         """Sends one chunk; calls `on_ack()` once the server accepted it
-        and `on_done(error or None)` once its sum is in `dest` (or it
-        failed). Raises if the connection is broken."""
+        and `on_done(None, contributors)` once its sum (over `contributors`
+        ranks; 0: not said) is in `dest`, or `on_done(error)` if it failed.
+        Raises if the connection is broken."""
         if self._broken is not None:
             raise self._broken
         rid = next(self._ids) & 0xFFFFFFFF
@@ -188,7 +189,7 @@ class DataConnection:
             while True:
                 _wire.recv_exact(self.sock, head)
                 self._heard = time.monotonic()
-                kind, status, rid, size = _wire.DATA_REPLY.unpack(head)
+                kind, status, count, rid, size = _wire.DATA_REPLY.unpack(head)
                 with self._lock:
                     req = self._pending.get(rid)
                 # A request leaves `_pending` only once its answer is read
@@ -197,7 +198,7 @@ class DataConnection:
                     if req is not None:
                         self._ack(req)
                 elif kind == _wire.DATA_SUM:
-                    self._sum(rid, req, size)
+                    self._sum(rid, req, size, count)
                 elif kind == _wire.DATA_ERROR:
                     body = bytearray(min(size, _wire.DATA_MAX_TEXT))
                     _wire.recv_exact(self.sock, memoryview(body))
@@ -225,7 +226,9 @@ class DataConnection:
         except errors.JaxpsError as err:
             self._fail_all(err)
 
-    def _sum(self, rid: int, req: _Request | None, size: int) -> None:
+    def _sum(
+        self, rid: int, req: _Request | None, size: int, contributors: int
+    ) -> None:
         if req is None or size != req.dest.nbytes:
             # a request that already failed (deadline), or a wrong size:
             # read the bytes off the stream
@@ -243,7 +246,7 @@ class DataConnection:
         _wire.recv_exact(
             self.sock, memoryview(req.dest.reshape(-1).view(np.uint8))
         )
-        self._end(rid, None)
+        self._end(rid, None, contributors)
 
     def _ack(self, req: _Request) -> None:
         """Gives a request's credit back, once (the reader, the watchdog
@@ -253,17 +256,24 @@ class DataConnection:
         if first:
             req.on_ack()
 
-    def _end(self, rid: int, err: BaseException | None) -> None:
+    def _end(
+        self, rid: int, err: BaseException | None, contributors: int = 0
+    ) -> None:
         """Ends request `rid` if it is still pending (else the watchdog or
         `_fail_all` ended it already)."""
         with self._lock:
             req = self._pending.pop(rid, None)
         if req is not None:
-            self._finish(req, err)
+            self._finish(req, err, contributors)
 
-    def _finish(self, req: _Request, err: BaseException | None) -> None:
+    def _finish(
+        self, req: _Request, err: BaseException | None, contributors: int = 0
+    ) -> None:
         self._ack(req)  # a sum implies the push was accepted
-        req.on_done(err)
+        if err is None:
+            req.on_done(None, contributors)
+        else:
+            req.on_done(err)
 
     def _error(self, status: int, text: str, req) -> errors.JaxpsError:
         code = (

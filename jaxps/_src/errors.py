@@ -29,3 +29,8 @@ class ServerUnavailableError(JaxpsError, ConnectionError):
 
 class ServerRestartedError(JaxpsError):
     """A server restarted mid-job and lost its rounds."""
+
+
+class MismatchError(RequestRejectedError):
+    """Ranks push_pulled different trees (names, shapes or dtypes) under
+    one name; the message names both ranks and both trees."""

@@ -6,12 +6,16 @@ most `partition_bytes`, so a model with many small tensors costs few calls.
 The plan depends only on the names, sizes and dtypes, so every worker makes
 the same one. `buffers` then lays a push_pull's arrays out along the plan:
 what each piece pushes and where its sum lands.
+
+`call_check` describes the one-element piece that lets the servers tell at
+once when ranks push different trees under one name (see `call_name`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -184,3 +188,117 @@ def buffers(
                 outs[t] = np.empty_like(flats[t])
             laid_out.append(Buffers(flats[t][lo:hi], outs[t][lo:hi]))
     return laid_out, outs
+
+
+# -- the call check -----------------------------------------------------------
+
+#: Longest description of a call's tree in a call check (its signature
+#: covers all of it).
+MAX_DESCRIPTION = 1024
+
+_SHARD = re.compile(r"@\d+$")  # ops' per-device suffix, "@0"
+_LEAF_TYPE = re.compile(r":\w+\[[\d, ]*\]$")  # ops' ":float32[3, 4]"
+_PATH = re.compile(r"(?:\[[^\[\]]*\]|\.[A-Za-z_]\w*)+$")  # "['w'][0].b"
+
+
+class CallCheck(NamedTuple):
+    """The call check of one push_pull (see `call_check`).
+
+    Attributes:
+      call: the call's name, the same on every rank whatever its tree.
+      wire_name: the name whose round counter numbers the check's rounds.
+      key: the check's server key (from `call` alone).
+      signature: a 64-bit hash of the names, shapes and dtypes (never 0).
+      description: the tree for messages, at most `MAX_DESCRIPTION` chars.
+    """
+
+    call: str
+    wire_name: str
+    key: int
+    signature: int
+    description: str
+
+    def server(self, num_servers: int) -> int:
+        """The server the check goes to: chosen from `call` alone, so every
+        rank's check lands on the same one whatever its plan."""
+        return topology.tensor_id(self.call) % num_servers
+
+
+def _split_leaf(name: str, strip_path: bool = True) -> tuple[str, str, str]:
+    """(call part, the leaf's own part, shard suffix) of a tensor name.
+
+    A name the ops layer gave a leaf, ``f"{name}{path}:{dtype}{shape}@{d}"``
+    (e.g. ``"grads['w']:float32[3, 4]@0"``), splits into ``"grads"``,
+    ``"['w']:float32[3, 4]"`` and ``"@0"`` (with `strip_path` False:
+    ``"grads['w']"``, ``":float32[3, 4]"``, ``"@0"``); any other name is its
+    own call part.
+    """
+    shard = _SHARD.search(name)
+    suffix = shard.group() if shard else ""
+    stem = name[: len(name) - len(suffix)]
+    leaf_type = _LEAF_TYPE.search(stem)
+    if leaf_type is None:
+        return stem, "", suffix
+    base = stem[: leaf_type.start()]
+    if strip_path:
+        base = _PATH.sub("", base)
+    return base, stem[len(base) :], suffix
+
+
+def call_name(names: Sequence[str]) -> str:
+    """The name of the call that pushes the tensors `names`.
+
+    For the ops layer's leaf names (``"grads['w']:float32[3, 4]@0"``) it is
+    the user's name with the device's shard suffix (``"grads@0"``): the
+    leaves' ``:dtype[shape]`` is dropped and, for a call of several
+    leaves, their paths (trailing ``[...]`` and ``.attr`` parts), so ranks
+    whose trees differ in shape, dtype or structure still check on the same
+    key. A call of one leaf keeps its path (``"grads['w']@0"``): the
+    overlapped backward pass (`jaxps.value_and_grad`) pushes each leaf as a
+    call of its own, in any order, and each must count its own checks.
+    Other names (e.g. `push_pull_numpy`'s) are their own call; several
+    distinct ones are joined with ``+``. Two calls of several leaves whose
+    names differ only in a trailing path-like part share one check
+    counter, so they must not be in flight at once (pass distinct names).
+    """
+    strip = len(names) > 1
+    parts = dict.fromkeys(
+        base + shard
+        for base, _, shard in (_split_leaf(n, strip) for n in names)
+    )
+    return "+".join(parts)
+
+
+def call_check(
+    names: Sequence[str], arrays: Sequence[np.ndarray], call: str | None = None
+) -> CallCheck:
+    """The call check of a push_pull of `arrays` named `names`.
+
+    Args:
+      names: the tensors' names (every leaf, empty ones too).
+      arrays: the tensors.
+      call: the call's name; default `call_name(names)`.
+    """
+    call = call_name(names) if call is None else call
+    items = []
+    digest = hashlib.blake2b(digest_size=8)
+    for name, array in zip(names, arrays):
+        shape, dtype = tuple(np.shape(array)), np.dtype(array.dtype)
+        digest.update(f"{name}\0{shape}\0{dtype.str}\0".encode())
+        _, leaf, _ = _split_leaf(name)
+        if leaf:  # the ops layer's path and :dtype[shape] of the leaf
+            path, _, leaf_type = leaf.rpartition(":")
+            items.append(f"{path} {leaf_type}".strip())
+        else:
+            items.append(f"{name} {dtype}{list(shape)}")
+    description = ", ".join(items)
+    if len(description) > MAX_DESCRIPTION:
+        description = description[: MAX_DESCRIPTION - 3] + "..."
+    wire_name = "\0call:" + call
+    return CallCheck(
+        call=call,
+        wire_name=wire_name,
+        key=_wire.make_key(topology.tensor_id(wire_name), 0),
+        signature=int.from_bytes(digest.digest(), "little") or 1,
+        description=description,
+    )

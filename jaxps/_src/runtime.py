@@ -10,15 +10,29 @@ into the output, and the push_pull's `Handle` hears when all are back.
 Each call says what it expects of the servers (`MODES`: sums, or async
 parameters); empty arrays send nothing; a name that comes with a new size
 or dtype gets new keys (a generation, see `Runtime._begin`).
+
+With more than one worker every call also sends a one-element *call check*
+(`plan.call_check`, always in gRPC messages) to a server chosen from the
+call's name alone, carrying a hash of its names, shapes and dtypes: a rank
+that pushes another tree under the same name fails the call on every rank
+at once (`errors.MismatchError`), instead of each waiting for the timeout
+on keys the others never push. Async servers get no check.
+
+`Runtime.join` is `jaxps.join`: the rank stops pushing, the servers
+complete rounds without it and say over how many ranks each sum is, which
+is what averaging divides by.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
+import math
 import os
 import secrets
 import threading
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -106,6 +120,11 @@ class Handle:
     def done(self) -> bool:
         return self._event.is_set()
 
+    def settle(self, timeout: float) -> bool:
+        """Waits up to `timeout` s until the push_pull ended (its sums are
+        back or it failed); returns whether it did. Raises nothing."""
+        return self._event.wait(timeout)
+
     def wait(self, timeout: float | None = None) -> list[np.ndarray]:
         """Blocks until all chunks are back; raises the first error."""
         timeout = self._timeout if timeout is None else timeout
@@ -118,6 +137,10 @@ class Handle:
             raise self._error
         return [o.reshape(s) for o, s in zip(self._outs, self._shapes)]
 
+
+#: The payload of a call check (its sum counts the contributing ranks).
+_CHECK_PAYLOAD = np.ones(1, np.int32)
+_CHECK_PAYLOAD.flags.writeable = False
 
 #: What a push_pull expects of the servers: ``"sync"`` servers sum the
 #: workers' arrays; ``"async"`` servers (``jaxps-server --async``) hold
@@ -150,6 +173,10 @@ class Runtime:
         # index of a signature is its generation (see `_begin`)
         self._signatures: dict[str, list[tuple[int, str]]] = {}
         self._in_flight: set[str] = set()
+        self._live: set[Handle] = set()  # push_pulls not ended yet
+        # `join` has begun (and not ended): push_pull is refused
+        self._joined = False
+        self._join_epoch = 0  # joins completed
         self._seq = itertools.count()
         self._plans: dict = {}
         self._transports: list[Transport] = []
@@ -216,6 +243,9 @@ class Runtime:
         self._transports = [
             make_transport(c, config, self.timeline) for c in clients
         ]
+        # call checks go in gRPC messages whatever the payloads' transport
+        # (they are tiny); these share the clients and are not closed
+        self._checkers = [GrpcTransport(c, self.timeline) for c in clients]
         self._sender = Sender(credit, min(8, senders_per_server * len(clients)))
 
     def check_mode(self, names: Sequence[str], mode: str = "sync") -> None:
@@ -269,21 +299,29 @@ class Runtime:
         average: bool = True,
         priorities: Sequence[int] | None = None,
         mode: str = "sync",
+        call: str | None = None,
     ) -> Handle:
         """Starts summing `arrays` over all workers; returns a `Handle`.
 
         Empty arrays come back empty (their shape and dtype) and send
         nothing. A name may come with another size or dtype than in its
         last push_pull: the new signature gets keys of its own (see
-        `_begin`).
+        `_begin`). With several workers (and sync servers) a call check
+        goes along (see the module docstring); the handle fails with
+        `errors.MismatchError` at once if another rank pushes another tree
+        (names, shapes, dtypes) under the same call.
 
         Args:
           names: one unique name per array, the same on every worker.
           arrays: numpy arrays of a supported dtype.
-          average: divide the sums by the number of workers.
+          average: divide the sums by the number of ranks they are over
+            (the workers, minus those that joined and pushed nothing).
           priorities: higher goes out first (default: earlier names first).
           mode: ``"sync"`` to sum, ``"async"`` for servers started with
             ``--async`` (see `MODES`); checked against the servers.
+          call: the name of the call, the same on every rank whatever its
+            tree; default `plan.call_name(names)` (the ops layer's leaf
+            names give the user's name and the device's shard).
         """
         if len(names) != len(arrays):
             raise ValueError(
@@ -313,6 +351,9 @@ class Runtime:
             )
         if priorities is None:
             priorities = [-i for i in range(len(names))]
+        check = None
+        if self.size > 1 and not self.async_servers:
+            check = plan.call_check(names, arrays, call)
         live_flats = [flats[i] for i in live]
         wire_names = self._begin(names, [names[i] for i in live], live_flats)
         try:
@@ -320,7 +361,10 @@ class Runtime:
                 wire_names, live_flats, tuple(priorities[i] for i in live)
             )
             laid_out, live_outs = plan.buffers(pieces, live_flats)
-            rounds = self._next_rounds([p.wire_name for p in pieces])
+            counted = [p.wire_name for p in pieces]
+            rounds = self._next_rounds(
+                counted if check is None else [*counted, check.wire_name]
+            )
         except BaseException:
             self._end(names)
             raise
@@ -332,12 +376,16 @@ class Runtime:
             list(names),
             outs,
             shapes,
-            len(pieces),
-            lambda: self._end(names),
+            len(pieces) + (check is not None),
+            lambda: self._end(names, handle),
             timeout,
             self.timeline,
         )
+        with self._lock:
+            self._live.add(handle)
         seq = next(self._seq)
+        if check is not None:  # first: a mismatch is found at once
+            self._send_check(handle, check, rounds[check.wire_name], seq)
         for i, (piece, (source, dest)) in enumerate(zip(pieces, laid_out)):
             header = pb.Header(
                 version=_wire.PROTOCOL_VERSION,
@@ -355,6 +403,72 @@ class Runtime:
             chunk = Chunk(handle, source, dest, header, divisor, transport)
             self._sender.put((-piece.priority, seq, i), chunk)
         return handle
+
+    def _send_check(
+        self, handle: Handle, check: plan.CallCheck, number: int, seq: int
+    ) -> None:
+        """Queues the call check of a push_pull (ahead of its pieces)."""
+        header = pb.Header(
+            version=_wire.PROTOCOL_VERSION,
+            job_id=self.config.job_id,
+            rank=self.rank,
+            key=check.key,
+            round=number,
+            dtype=_wire.dtype_code(_CHECK_PAYLOAD.dtype),
+            length=_CHECK_PAYLOAD.size,
+            name=check.call,
+            signature=check.signature,
+            description=check.description,
+        )
+        server = check.server(len(self._checkers) // self._channels)
+        chunk = Chunk(
+            handle,
+            _CHECK_PAYLOAD,
+            np.empty_like(_CHECK_PAYLOAD),
+            header,
+            None,
+            self._checkers[server * self._channels],
+        )
+        self._sender.put((-math.inf, seq, -1), chunk)
+
+    def join(self, timeout: float | None = None) -> int:
+        """`jaxps.join`: this rank pushes nothing more until every rank has
+        joined; returns the rank that joined last (see `jaxps.join`)."""
+        timeout = self.config.timeout if timeout is None else float(timeout)
+        if not timeout >= 0:
+            raise ValueError(f"join timeout must be >= 0, got {timeout}.")
+        if not self._transports:
+            return self.rank  # one worker: it is the last to join
+        if self.async_servers:
+            raise errors.JaxpsError(
+                "jaxps.join needs synchronous servers: with --async no "
+                "round waits for another rank, so there is nothing to join."
+            )
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self._joined = True
+            live = list(self._live)
+        # Its pushes must reach the servers before the join does.
+        for handle in live:
+            if not handle.settle(max(0.0, deadline - time.monotonic())):
+                raise errors.RoundTimeoutError(
+                    f"jaxps.join of rank {self.rank}: the push_pull of "
+                    f"{handle.names} did not end within {timeout:g} s; "
+                    "this rank stays joined."
+                )
+        clients = [t.client for t in self._transports[:: self._channels]]
+        remaining = max(0.0, deadline - time.monotonic())
+        with concurrent.futures.ThreadPoolExecutor(len(clients)) as pool:
+            calls = [
+                pool.submit(c.join, self._join_epoch, remaining)
+                for c in clients
+            ]
+            lasts = [f.result() for f in calls]  # each call has a deadline
+        with self._lock:
+            self._rounds = {}  # the servers start every key again, too
+            self._join_epoch += 1
+            self._joined = False
+        return lasts[0]
 
     def push_pull(
         self, name: str, array, *, average: bool = True, mode: str = "sync"
@@ -388,13 +502,24 @@ class Runtime:
 
         The plan derives a tensor's keys from its wire name. A name keeps
         its wire name while its (size, dtype) stays the same; each new
-        (size, dtype) of a name is a new generation g with wire name
-        ``f"{name}#{g}"`` (generation 0 is the name itself), so it gets
-        keys of its own whose rounds start at 0, and a signature seen
-        before goes back to its keys and their rounds. Every worker makes
-        the same calls in the same order, so all agree on the generations.
+        (size, dtype) of a name is a new generation g >= 1 with wire name
+        ``f"{name}#{size}{dtype}"`` (generation 0, the name's first, is the
+        name itself), so it gets keys of its own whose rounds start at 0,
+        and a signature seen before goes back to its keys and their rounds.
+        Every worker makes the same calls in the same order, so all agree
+        on the generations; a later generation's wire name does not depend
+        on the order, so a rank that pushed it alone while the others had
+        joined (`join`) still agrees with them.
         """
         with self._lock:
+            if self._joined:
+                raise errors.JaxpsError(
+                    f"push_pull of {list(names)[:3]} on rank {self.rank}, "
+                    "which has joined (jaxps.join): a joined rank pushes "
+                    "nothing until every rank has joined and its join has "
+                    "returned (call jaxps.join again after a join that "
+                    "timed out)."
+                )
             busy = self._in_flight.intersection(names)
             if busy:
                 raise errors.JaxpsError(
@@ -409,7 +534,9 @@ class Runtime:
                 if signature not in seen:
                     seen.append(signature)
                 gen = seen.index(signature)
-                wire_names.append(f"{name}#{gen}" if gen else name)
+                wire_names.append(
+                    f"{name}#{flat.size}{flat.dtype.str}" if gen else name
+                )
             return wire_names
 
     def _next_rounds(self, wire_names) -> dict[str, int]:
@@ -422,9 +549,10 @@ class Runtime:
                     self._rounds[wire] = rounds[wire] + 1
             return rounds
 
-    def _end(self, names) -> None:
+    def _end(self, names, handle: Handle | None = None) -> None:
         with self._lock:
             self._in_flight.difference_update(names)
+            self._live.discard(handle)
 
     def close(self) -> None:
         """Stops the sender threads and closes the channels."""

@@ -108,9 +108,13 @@ class Sender:
                     continue
             transport.send(chunk, self)
 
-    def stop(self) -> None:
-        """Stops the sender threads (after the chunks queued before)."""
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stops the sender threads (after the chunks queued before),
+        waiting at most `timeout` s for all of them together: a thread
+        still waiting for a round (e.g. of a push_pull that failed) ends
+        when its channel closes."""
         for _ in self.threads:
             self._queue.put((float("inf"), 0, 0, _STOP))
+        deadline = time.monotonic() + timeout
         for t in self.threads:
-            t.join(timeout=5)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -48,7 +48,10 @@ class Chunk:
       source: the payload, a flat array (read-only to the transport).
       dest: where the sum goes, a flat array of the same dtype and size.
       header: the wire header (key, round, dtype, length, name, ...).
-      divisor: the sum is divided by it (averaging), or None.
+      divisor: None to keep the sum; else the sum is averaged: divided by
+        the number of ranks it is over, which the server says (fewer than
+        the workers while some have joined), or by `divisor` (the number
+        of workers) where it does not say.
       nbytes: the payload's size, the credit it holds while pushed.
       transport: the transport of the server client it goes to.
     """
@@ -106,9 +109,10 @@ class Transport(abc.ABC):
     - give the credit back (``credit.release(chunk.nbytes)``) exactly once,
       as soon as the server has the bytes or the push failed, and never
       hold it while waiting for other workers;
-    - write the sum into ``chunk.dest``, divided by ``chunk.divisor`` if it
-      is not None, and end the chunk with exactly one of
-      ``chunk.handle.chunk_done()`` or ``chunk.handle.fail(err)``, where
+    - write the sum into ``chunk.dest``, averaged if ``chunk.divisor`` is
+      not None (over the contributors the server names), and end the
+      chunk with exactly one of ``chunk.handle.chunk_done()`` or
+      ``chunk.handle.fail(err)``, where
       `err` is a `JaxpsError` naming the server and the chunk: both through
       `_complete`, which also checks the size and records the ``pull`` span;
     - put a deadline on every wait: ``timeout`` for a push, `pull_deadline`
@@ -168,18 +172,19 @@ class Transport(abc.ABC):
         self,
         chunk: Chunk,
         pulling: float,
-        receive: Callable[[], np.ndarray],
+        receive: Callable[[], tuple[np.ndarray, int]],
         keep: Callable[[], None] | None = None,
     ) -> None:
         """Ends `chunk`, once: ``receive()`` waits for the sum (an array of
-        dest's dtype), which goes into dest divided by the divisor, then
+        dest's dtype) and how many ranks it is over (0: not said); the sum
+        goes into dest, averaged if the chunk has a divisor, then
         `keep` runs (e.g. gives a slot back), the ``pull`` span from
         `pulling` is recorded and the handle hears `chunk_done`. Any error
         of `receive` or of the write fails the handle instead, and `keep`
         does not run: memory lent to the server is not reused."""
         h, dest = chunk.header, chunk.dest
         try:
-            data = receive()
+            data, contributors = receive()
             if data.size != dest.size:
                 raise errors.RequestRejectedError(
                     f"server {self.address} answered {h.name} round "
@@ -190,7 +195,7 @@ class Transport(abc.ABC):
                 if data is not dest:  # (the data channel receives in dest)
                     dest[...] = data
             else:
-                np.divide(data, chunk.divisor, out=dest)
+                np.divide(data, contributors or chunk.divisor, out=dest)
         except BaseException as err:  # noqa: BLE001 - reported to the waiter
             chunk.handle.fail(err)
             return

@@ -51,11 +51,7 @@ class GrpcTransport(Transport):
         if credit.may_block():
             try:
                 self._complete(
-                    chunk,
-                    pulling,
-                    lambda: np.frombuffer(
-                        self.client.pull(h, deadline), chunk.dest.dtype
-                    ),
+                    chunk, pulling, lambda: self._payload(chunk, deadline)
                 )
             finally:
                 credit.unblock()
@@ -71,15 +67,24 @@ class GrpcTransport(Transport):
             )
         )
 
-    def _receive(self, chunk: Chunk, future) -> np.ndarray:
+    def _payload(self, chunk: Chunk, deadline: float, reply=None):
+        """The sum (and its contributors) of a blocking pull, or of an
+        encoded `reply`."""
+        h = chunk.header
+        if reply is None:
+            payload, contributors = self.client.pull_counted(h, deadline)
+        else:
+            payload, contributors = self.client.decode_pull_counted(reply, h)
+        return np.frombuffer(payload, chunk.dest.dtype), contributors
+
+    def _receive(self, chunk: Chunk, future) -> tuple[np.ndarray, int]:
         """The sum in the reply of a pull; a pull that found the server
         unavailable is retried (blocking) until its deadline."""
-        h = chunk.header
         try:
-            payload = self.client.decode_pull(future.result(), h)
+            reply = future.result()
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.UNAVAILABLE:
-                raise self.client.translate(err, "pull", h) from None
+                raise self.client.translate(err, "pull", chunk.header) from None
             deadline = time.monotonic() + pull_deadline(self.timeout)
-            payload = self.client.pull(h, deadline)
-        return np.frombuffer(payload, dtype=chunk.dest.dtype)
+            return self._payload(chunk, deadline)
+        return self._payload(chunk, 0.0, reply)

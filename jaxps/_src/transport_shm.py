@@ -64,9 +64,9 @@ class ShmTransport(Transport):
 
         if credit.may_block():
 
-            def wait() -> np.ndarray:
-                self.client.push_pull(h, checksum, deadline, slot.ref)
-                return slot.array(chunk.dest.dtype, chunk.dest.size)
+            def wait() -> tuple[np.ndarray, int]:
+                n = self.client.push_pull(h, checksum, deadline, slot.ref)
+                return slot.array(chunk.dest.dtype, chunk.dest.size), n
 
             try:
                 self._complete(chunk, pulling, wait, keep)
@@ -86,20 +86,23 @@ class ShmTransport(Transport):
             )
         )
 
-    def _receive(self, chunk: Chunk, future, slot: shm.Slot) -> np.ndarray:
-        """The sum in `slot` once the PushPull in `future` returned; a call
-        that found the server unavailable is repeated (blocking) until its
-        deadline, which the server counts once."""
+    def _receive(
+        self, chunk: Chunk, future, slot: shm.Slot
+    ) -> tuple[np.ndarray, int]:
+        """The sum in `slot` (and its contributors) once the PushPull in
+        `future` returned; a call that found the server unavailable is
+        repeated (blocking) until its deadline, which the server counts
+        once."""
         h = chunk.header
         try:
-            self.client.decode_pull(future.result(), h, slot.ref)
+            _, n = self.client.decode_pull_counted(future.result(), h, slot.ref)
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.UNAVAILABLE:
                 raise self.client.translate(err, "push_pull", h) from None
             deadline = time.monotonic() + pull_deadline(self.timeout)
             checksum = fingerprint(chunk.source)
-            self.client.push_pull(h, checksum, deadline, slot.ref)
-        return slot.array(chunk.dest.dtype, chunk.dest.size)
+            n = self.client.push_pull(h, checksum, deadline, slot.ref)
+        return slot.array(chunk.dest.dtype, chunk.dest.size), n
 
     def close(self) -> None:
         """Has the server unmap the segments, unmaps them and closes the

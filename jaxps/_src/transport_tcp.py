@@ -61,9 +61,11 @@ class TcpTransport(GrpcTransport):
             credit.release(chunk.nbytes)
             times["pulling"] = self._span("push", pushed, chunk)
 
-        def on_done(err):
+        def on_done(err, contributors=0):
             if err is None:
-                self._complete(chunk, times["pulling"], lambda: chunk.dest)
+                self._complete(
+                    chunk, times["pulling"], lambda: (chunk.dest, contributors)
+                )
             elif isinstance(err, errors.ServerUnavailableError):
                 self._fall_back(chunk, err)
             else:

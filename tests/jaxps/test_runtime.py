@@ -12,6 +12,7 @@ import pytest
 
 from jaxps import errors
 from jaxps._src.config import Config
+from jaxps._src.errors import MismatchError
 from jaxps._src.runtime import Runtime
 from jaxps._src.transport_grpc import GrpcTransport
 from jaxps._src.transport_shm import ShmTransport
@@ -151,15 +152,38 @@ def test_mismatched_length_across_workers_is_rejected(start_servers):
     servers = start_servers(1, 2)
 
     def fn(rt):
+        began = time.monotonic()
         try:
             rt.push_pull("w", np.ones(4 + rt.rank, np.float32))
-        except errors.RequestRejectedError as err:
-            return str(err)
+        except MismatchError as err:  # the call check, at once
+            return str(err), time.monotonic() - began
         return None
 
     results = run_workers(2, servers, fn, timeout=5.0)
-    messages = [m for m in results if m]
-    assert messages and all("length of key" in m for m in messages), results
+    for message, seconds in results:
+        assert seconds < 2.0, (seconds, message)
+        assert "pushed [w float32[4]]" in message, message
+        assert "pushed [w float32[5]]" in message, message
+
+
+@pytest.mark.timeout(60)
+def test_an_explicit_call_name_is_checked(start_servers):
+    # `call=` names the call: ranks with other tensor names under one call
+    # are told at once too
+    servers = start_servers(1, 2)
+
+    def fn(rt):
+        try:
+            rt.push_pull_async(
+                [f"w{rt.rank}"], [np.ones(4 + rt.rank, np.float32)], call="c"
+            ).wait()
+        except MismatchError as err:
+            return str(err)
+        return None
+
+    for message in run_workers(2, servers, fn, timeout=5.0):
+        assert "push_pull 'c'" in message, message
+        assert "rank 0 pushed" in message and "rank 1 pushed" in message
 
 
 @pytest.mark.timeout(60)

@@ -48,7 +48,7 @@ def recv_exact(sock, n):
 
 def read_frame(sock):
     """(kind, status name, request id, body) of the next server frame."""
-    kind, status, rid, size = _wire.DATA_REPLY.unpack(
+    kind, status, _, rid, size = _wire.DATA_REPLY.unpack(
         recv_exact(sock, _wire.DATA_REPLY.size)
     )
     return kind, _wire.STATUS_CODES[status], rid, recv_exact(sock, size)

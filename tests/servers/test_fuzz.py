@@ -81,7 +81,17 @@ def test_codec_of_shared_memory_slots_matches_protobuf():
     reply = pb.PullReply(incarnation="abc", in_slot=True)
     encoded = _codec.encode_pull_reply("abc", None, in_slot=True)
     assert encoded == reply.SerializeToString()
-    assert _codec.decode_pull_reply(encoded) == ("abc", b"", True)
+    assert _codec.decode_pull_reply(encoded) == ("abc", b"", True, 0)
+    # the contributors of a sum, as protobuf encodes them
+    reply = pb.PullReply(incarnation="abc", payload=b"xy", contributors=3)
+    encoded = _codec.encode_pull_reply("abc", b"xy", contributors=3)
+    assert pb.PullReply.FromString(encoded) == reply
+    assert _codec.decode_pull_reply(reply.SerializeToString()) == (
+        "abc",
+        b"xy",
+        False,
+        3,
+    )
 
 
 @settings(max_examples=300, deadline=None)
@@ -135,6 +145,76 @@ def test_exactly_once_under_duplicates_and_shuffles(
         np.testing.assert_array_equal(np.frombuffer(result, np.int64), expected)
         at[rank] += 1
         copies[rank] = 1 + repeats[rank]
+    assert store.pending_rounds() == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(2, 4),
+    repeats=st.lists(st.integers(0, 2), min_size=4, max_size=4),
+    joins=st.lists(st.integers(0, 2), min_size=4, max_size=4),
+    seed=st.integers(0, 2**32 - 1),
+    deterministic=st.booleans(),
+)
+def test_join_counts_each_contribution_once(
+    n, repeats, joins, seed, deterministic
+):
+    """Ranks push 3 rounds with duplicates in random order; rank k joins
+    (if joins[k] < 2 and it is not the last rank) after pushing joins[k]
+    rounds, and the store hears it at a random later moment. Every sum is
+    over the ranks that pushed its round, named in `summed`, exactly."""
+    rng = random.Random(seed)
+    store = Store(n, deterministic=deterministic)
+    rounds, code = 3, _wire.dtype_code(np.int64)
+    stop = [joins[k] if k < n - 1 else rounds for k in range(n)]
+    joined: set[int] = set()
+
+    def payload(rank, r):
+        return np.full(4, (rank + 1) * 10 ** (r + 1), np.int64)
+
+    at = [0] * n
+    copies = [1 + repeats[k] for k in range(n)]
+    sums = {}
+    while True:
+        waiting = [k for k in range(n) if k not in joined and at[k] >= stop[k]]
+        active = [k for k in range(n) if at[k] < stop[k]]
+        if waiting and (not active or rng.random() < 0.3):
+            joined.add(rng.choice(waiting))
+            store.join(frozenset(joined))
+            continue
+        if not active:
+            break
+        rank = rng.choice(active)
+        r = at[rank]
+        if copies[rank]:
+            data = payload(rank, r).tobytes()
+            ticket = store.begin_push(
+                key=1,
+                round=r,
+                rank=rank,
+                dtype_code=code,
+                length=4,
+                payload=data,
+                checksum=_wire.checksum(data),
+            )
+            if ticket is not None:
+                ticket.run()
+                store.finish_push(ticket)
+            copies[rank] -= 1
+            continue
+        rnd, result = store.pull(
+            key=1, round=r, rank=rank, dtype_code=code, length=4
+        )
+        if result is None:
+            continue
+        contributors = [k for k in range(n) if stop[k] > r]
+        expected = sum(payload(k, r) for k in contributors)
+        np.testing.assert_array_equal(np.frombuffer(result, np.int64), expected)
+        assert rnd.summed == len(contributors)
+        sums[r] = rnd.summed
+        at[rank] += 1
+        copies[rank] = 1 + repeats[rank]
+    assert sorted(sums) == list(range(rounds))
     assert store.pending_rounds() == 0
 
 
@@ -196,10 +276,32 @@ def header_bytes(session="", **fields):
 def test_server_survives_malformed_requests(module_server, data):
     server = module_server
     sid = session_of(server.address)
-    kind = data.draw(st.sampled_from(["random", "length", "dtype", "huge"]))
+    kind = data.draw(
+        st.sampled_from(
+            ["random", "length", "dtype", "huge", "join", "signature"]
+        )
+    )
     if kind == "random":
-        method = data.draw(st.sampled_from(["Push", "Pull", "Hello"]))
+        method = data.draw(st.sampled_from(["Push", "Pull", "Hello", "Join"]))
         raw = data.draw(st.binary(max_size=200))
+    elif kind == "join":  # an epoch never seen, or a bad timeout
+        method = "Join"
+        epoch = data.draw(st.integers(1, 2**64 - 1))
+        timeout = data.draw(st.floats(allow_nan=True, allow_infinity=True))
+        raw = pb.JoinRequest(
+            header=header_bytes(sid, round=epoch), timeout=timeout
+        ).SerializeToString()
+    elif kind == "signature":  # call checks of any signature and text
+        method = "Push"
+        h = header_bytes(
+            sid,
+            key=data.draw(st.integers(2**41, 2**47)),
+            length=1,
+            signature=data.draw(st.integers(0, 2**64 - 1)),
+            description=data.draw(st.text(max_size=2000)),
+        )
+        payload = np.ones(1, np.float32)
+        raw = _codec.encode_push(h, payload, _wire.fingerprint(payload))
     else:
         method = "Push"
         key = data.draw(st.integers(100, 2**40))
@@ -231,6 +333,14 @@ def test_server_survives_malformed_requests(module_server, data):
     if kind in ("length", "dtype", "huge"):
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
         assert ("length" in details) or ("dtype" in details), details
+    if kind == "join":
+        assert code in (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.FAILED_PRECONDITION,
+        ), (code, details)
+        assert "timeout" in details or "epoch" in details, details
+    if kind == "signature":  # accepted: it waits for rank 1 in its round
+        assert code == grpc.StatusCode.OK, (code, details)
     assert server.proc.poll() is None
 
 

@@ -402,3 +402,115 @@ def test_retried_pull_of_a_lender_after_the_round_was_freed():
     # rank 1's reply was lost: its retry still finds the sum in its slot
     pull_into(store, 1, 0, 1, x, slots[1])
     np.testing.assert_array_equal(np.frombuffer(slots[1], np.float32), 3 * x)
+
+
+# -- call checks and join ----------------------------------------------------
+
+
+def check(store, rnd, rank, signature, description, key=99):
+    payload = np.ones(1, np.int32).tobytes()
+    return store.begin_push(
+        key=key,
+        round=rnd,
+        rank=rank,
+        dtype_code=_wire.dtype_code(np.int32),
+        length=1,
+        payload=payload,
+        checksum=_wire.checksum(payload),
+        name="grads@0",
+        signature=signature,
+        description=description,
+    )
+
+
+def test_a_differing_call_check_fails_the_round_for_everyone():
+    store = Store(3)
+    first = check(store, 0, 2, 11, "['w'] float32[3, 4]")
+    first.run()
+    store.finish_push(first)
+    check(store, 0, 0, 11, "['w'] float32[3, 4]").run()  # the same: fine
+    with pytest.raises(StoreError) as err:
+        check(store, 0, 1, 12, "['w'] float32[3, 5]")
+    assert err.value.code == "INVALID_ARGUMENT"
+    message = err.value.message
+    assert message.startswith(_wire.MISMATCH_PREFIX)
+    assert "'grads@0'" in message
+    assert "rank 2 pushed [['w'] float32[3, 4]]" in message
+    assert "rank 1 pushed [['w'] float32[3, 5]]" in message
+    # the ranks already waiting on the round get the same error
+    with pytest.raises(StoreError, match="rank 1 pushed"):
+        store.pull(key=99, round=0, rank=0, dtype_code=5, length=1)
+    # the next round is checked afresh
+    for rank in range(3):
+        ticket = check(store, 1, rank, 13, "x")
+        ticket.run()
+        store.finish_push(ticket)
+    assert store.pull(key=99, round=1, rank=0, dtype_code=5, length=1)[1]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("summed_before_join", [False, True])
+def test_join_completes_a_waiting_round_over_the_others(
+    deterministic, summed_before_join
+):
+    store = Store(3, deterministic=deterministic)
+    x = np.arange(5, dtype=np.float32)
+    push(store, 1, 0, 0, x)  # rank 0 pushed before it joined: it counts
+    ticket = store.begin_push(
+        key=1,
+        round=0,
+        rank=2,
+        dtype_code=_wire.dtype_code(x.dtype),
+        length=x.size,
+        payload=(10 * x).tobytes(),
+        checksum=_wire.checksum((10 * x).tobytes()),
+    )
+    if summed_before_join:
+        ticket.run()
+        store.finish_push(ticket)
+    assert pull(store, 1, 0, 2, x) is None
+    assert store.join(frozenset({0, 1})) == int(summed_before_join)
+    if not summed_before_join:  # the late sum completes it
+        assert ticket.run()
+        store.finish_push(ticket)
+    rnd, raw = store.pull(key=1, round=0, rank=2, dtype_code=1, length=5)
+    np.testing.assert_array_equal(np.frombuffer(raw, np.float32), 11 * x)
+    assert rnd.summed == 2  # the contributors the reply names
+    np.testing.assert_array_equal(pull(store, 1, 0, 0, x), 11 * x)
+    assert store.pending_rounds() == 0  # every contributor pulled
+    # a round that starts after the join needs rank 2 alone
+    push(store, 1, 1, 2, x)
+    np.testing.assert_array_equal(pull(store, 1, 1, 2, x), x)
+    # a joined rank may not push
+    with pytest.raises(StoreError, match="after it joined") as err:
+        push(store, 1, 2, 1, x)
+    assert err.value.code == "FAILED_PRECONDITION"
+
+
+def test_a_joined_rank_is_not_named_as_missing():
+    store = Store(3, round_timeout=1.0)
+    x = np.ones(2, np.float32)
+    store.join(frozenset({1}))
+    push(store, 1, 0, 0, x)
+    assert pull(store, 1, 0, 0, x) is None
+    assert store.expire(time.monotonic() + 5) == 1
+    with pytest.raises(StoreError, match=r"waiting for rank\(s\) \[2\]"):
+        pull(store, 1, 0, 0, x)
+
+
+def test_reset_rounds_starts_every_key_again():
+    store = Store(2)
+    x = np.ones(3, np.float32)
+    for rnd in range(3):  # rank 1 joined after round 0: rank 0 goes on
+        push(store, 1, rnd, 0, x)
+        if rnd == 0:
+            push(store, 1, rnd, 1, x)
+            pull(store, 1, rnd, 1, x)
+            store.join(frozenset({1}))
+        pull(store, 1, rnd, 0, x)
+    store.reset_rounds()  # every rank joined
+    assert store.joined == frozenset() and store.pending_rounds() == 0
+    for rank in range(2):  # the next epoch: both at round 0 again
+        push(store, 1, 0, rank, (rank + 1) * x)
+    for rank in range(2):
+        np.testing.assert_array_equal(pull(store, 1, 0, rank, x), 3 * x)

@@ -298,8 +298,9 @@ def test_pull_into_a_buffer():
             out = bytearray(x.nbytes)
             far = time.monotonic() + 10
             reply = await core.pull(header(0, x), deadline=far, into=out)
-            assert reply == core.in_slot_reply
-            assert pb.PullReply.FromString(reply).in_slot
+            assert reply == core.in_slot_reply(1)
+            message = pb.PullReply.FromString(reply)
+            assert message.in_slot and message.contributors == 1
             np.testing.assert_array_equal(np.frombuffer(out, np.float32), x)
         finally:
             core.close()
@@ -330,6 +331,64 @@ def test_a_forged_checksum_is_refused_not_taken_for_a_replay():
             with pytest.raises(_wire.Rejected, match="is not its payload") as e:
                 await core.push(header(0, x), forged, _wire.fingerprint(x))
             assert e.value.code == "INVALID_ARGUMENT"
+        finally:
+            core.close()
+
+    run(main())
+
+
+def join_header(rank, epoch, job_id="job"):
+    h = header(rank, np.zeros(1, np.float32), rnd=epoch, key=0, job_id=job_id)
+    h.name = "jaxps.join"
+    return h
+
+
+def test_join_waits_for_every_rank_and_starts_the_next_epoch():
+    async def main():
+        core = _summation.Summation(3)
+        join(core)
+        try:
+            soon = time.monotonic() + 0.2
+            with pytest.raises(_wire.Rejected) as err:
+                await core.join(join_header(1, 0), deadline=soon)
+            assert err.value.code == "DEADLINE_EXCEEDED"
+            assert "waiting for rank(s) [0, 2]" in err.value.message
+            far = time.monotonic() + 10
+            # rank 1 stays joined: a second join waits along
+            waiting = [
+                asyncio.ensure_future(
+                    core.join(join_header(r, 0), deadline=far)
+                )
+                for r in (1, 2)
+            ]
+            await asyncio.sleep(0.05)
+            assert not any(w.done() for w in waiting)
+            assert await core.join(join_header(0, 0), deadline=far) == 0
+            assert [await w for w in waiting] == [0, 0]
+            # a retried join of the ended epoch is answered, joins nothing
+            assert await core.join(join_header(2, 0), deadline=far) == 0
+            with pytest.raises(_wire.Rejected, match="names epoch 2"):
+                await core.join(join_header(2, 2), deadline=far)
+            # the next epoch: everyone pushes again, from round 0
+            x = np.ones(2, np.float32)
+            for r in range(3):
+                await core.push(header(r, x), x.tobytes(), _wire.fingerprint(x))
+            total, n = await core.pull_counted(header(0, x), deadline=far)
+            assert n == 3
+            assert _codec.decode_pull_reply(total)[3] == 3
+        finally:
+            core.close()
+
+    run(main())
+
+
+def test_join_refused_by_async_servers():
+    async def main():
+        core = _summation.Summation(2, async_mode=True)
+        join(core)
+        try:
+            with pytest.raises(_wire.Rejected, match="synchronous servers"):
+                await core.join(join_header(0, 0), deadline=time.monotonic())
         finally:
             core.close()
 
