@@ -10,6 +10,7 @@ import typing
 # Note: import <name> as <name> is required for names to be exported.
 from jaxps import errors as errors
 from jaxps._src.config import Config as Config
+from jaxps._src.join import join as join
 from jaxps._src.state import init as init
 from jaxps._src.state import is_initialized as is_initialized
 from jaxps._src.state import push_pull_numpy as push_pull_numpy
@@ -79,6 +80,7 @@ __all__ = [
     "errors",
     "init",
     "is_initialized",
+    "join",
     "optimal_time",
     "push_pull",
     "push_pull_numpy",
