@@ -54,6 +54,8 @@ class Header:
         "dtype",
         "length",
         "name",
+        "signature",
+        "description",
     )
 
     def __init__(self, job_id, session, rank, key, rnd, dtype, length, name):
@@ -66,6 +68,8 @@ class Header:
         self.dtype = dtype
         self.length = length
         self.name = name
+        self.signature = 0  # a call check's (DATA_OP_CHECK)
+        self.description = ""
 
 
 class _BufferPool:
@@ -326,10 +330,10 @@ class _Connection:
             rid,
             timeout,
         ) = _wire.DATA_REQUEST.unpack(head)
-        if op != _wire.DATA_OP_PUSH_PULL or rank != self.rank:
+        if op not in _wire.DATA_OPS or rank != self.rank:
             what = (
                 f"unknown op {op}"
-                if op != _wire.DATA_OP_PUSH_PULL
+                if op not in _wire.DATA_OPS
                 else f"rank {rank} on the connection of rank {self.rank}"
             )
             self._out.put(
@@ -356,16 +360,13 @@ class _Connection:
         _wire.recv_exact(self.sock, memoryview(name))
         buf = self.channel.pool.take(nbytes)
         _wire.recv_exact(self.sock, memoryview(buf))
-        h = Header(
-            self.job_id,
-            self.session,
-            rank,
-            key,
-            rnd,
-            dtype,
-            length,
-            name.decode(errors="replace"),
-        )
+        h = Header(self.job_id, self.session, rank, key, rnd, dtype, length, "")
+        if op == _wire.DATA_OP_CHECK:
+            h.signature, h.name, h.description = _wire.decode_check_name(
+                bytes(name)
+            )
+        else:
+            h.name = name.decode(errors="replace")
         with self._busy_lock:
             self._busy += 1
         asyncio.run_coroutine_threadsafe(

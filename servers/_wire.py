@@ -158,8 +158,9 @@ def fingerprint(payload) -> int:
 # is a DATA_REQUEST, the chunk's name (utf-8) and its payload; the server
 # answers DATA_ACK once the push is accepted and DATA_SUM with the sum (and
 # the number of ranks it is over) once the round is complete, or DATA_ERROR
-# with a message at any point. Call checks (Header.signature) always travel
-# in gRPC messages.
+# with a message at any point. A call check (Header.signature) is a
+# DATA_OP_CHECK request whose name is `encode_check_name` of its signature,
+# call name and description.
 
 DATA_MAGIC = b"JXPD"
 #: magic, protocol version, rank, nonce, mac.
@@ -171,6 +172,9 @@ DATA_REQUEST = struct.Struct("<BBHIQQQIId")
 #: a DATA_SUM is over; else 0), request id, body bytes.
 DATA_REPLY = struct.Struct("<BBxxIIQ")
 DATA_OP_PUSH_PULL = 1
+DATA_OP_CHECK = 2
+DATA_OPS = (DATA_OP_PUSH_PULL, DATA_OP_CHECK)
+_SIGNATURE = struct.Struct("<Q")
 DATA_OK, DATA_ACK, DATA_SUM, DATA_ERROR = 0, 1, 2, 3
 DATA_NONCE_BYTES = 16
 #: SO_SNDBUF of both ends of a data connection. Autotuned buffers of many
@@ -221,6 +225,23 @@ REJECTED_STATUSES = frozenset(
         "OUT_OF_RANGE",
     }
 )
+
+
+def encode_check_name(signature: int, name: str, description: str) -> bytes:
+    """The name field of a DATA_OP_CHECK request: the signature (8 bytes),
+    then utf-8 ``name``, NUL, ``description``, cut to `DATA_MAX_TEXT`."""
+    text = f"{name}\0{description}".encode()
+    return (_SIGNATURE.pack(signature) + text)[: DATA_MAX_TEXT - 1]
+
+
+def decode_check_name(raw: bytes) -> tuple[int, str, str]:
+    """(signature, name, description) of a DATA_OP_CHECK name field."""
+    if len(raw) < _SIGNATURE.size:
+        return 0, raw.decode(errors="replace"), ""
+    (signature,) = _SIGNATURE.unpack_from(raw)
+    text = raw[_SIGNATURE.size :].decode(errors="replace")
+    name, _, description = text.partition("\0")
+    return signature, name, description
 
 
 def data_mac(token: str | None, nonce: bytes, rank: int, job_id: str) -> bytes:

@@ -69,7 +69,7 @@ EXPECTED = {
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+@pytest.mark.parametrize("transport", ["grpc", "tcp", "shm"])
 def test_mismatch_is_named_at_once(
     start_servers, tmp_path, monkeypatch, transport
 ):

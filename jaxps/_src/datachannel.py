@@ -145,9 +145,16 @@ class DataConnection:
         if self._broken is not None:
             raise self._broken
         rid = next(self._ids) & 0xFFFFFFFF
-        name = header.name.encode()[: _wire.DATA_MAX_TEXT - 1]
+        op = _wire.DATA_OP_PUSH_PULL
+        if header.signature:  # a call check
+            op = _wire.DATA_OP_CHECK
+            name = _wire.encode_check_name(
+                header.signature, header.name, header.description
+            )
+        else:
+            name = header.name.encode()[: _wire.DATA_MAX_TEXT - 1]
         head = _wire.DATA_REQUEST.pack(
-            _wire.DATA_OP_PUSH_PULL,
+            op,
             header.dtype,
             len(name),
             header.rank,

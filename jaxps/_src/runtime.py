@@ -12,11 +12,12 @@ parameters); empty arrays send nothing; a name that comes with a new size
 or dtype gets new keys (a generation, see `Runtime._begin`).
 
 With more than one worker every call also sends a one-element *call check*
-(`plan.call_check`, always in gRPC messages) to a server chosen from the
-call's name alone, carrying a hash of its names, shapes and dtypes: a rank
-that pushes another tree under the same name fails the call on every rank
-at once (`errors.MismatchError`), instead of each waiting for the timeout
-on keys the others never push. Async servers get no check.
+(`plan.call_check`, on that server's transport like any chunk) to a server
+chosen from the call's name alone, carrying a hash of its names, shapes
+and dtypes: a rank that pushes another tree under the same name fails the
+call on every rank at once (`errors.MismatchError`), instead of each
+waiting for the timeout on keys the others never push. Async servers get
+no check.
 
 `Runtime.join` is `jaxps.join`: the rank stops pushing, the servers
 complete rounds without it and say over how many ranks each sum is, which
@@ -243,9 +244,6 @@ class Runtime:
         self._transports = [
             make_transport(c, config, self.timeline) for c in clients
         ]
-        # call checks go in gRPC messages whatever the payloads' transport
-        # (they are tiny); these share the clients and are not closed
-        self._checkers = [GrpcTransport(c, self.timeline) for c in clients]
         self._sender = Sender(credit, min(8, senders_per_server * len(clients)))
 
     def check_mode(self, names: Sequence[str], mode: str = "sync") -> None:
@@ -420,14 +418,14 @@ class Runtime:
             signature=check.signature,
             description=check.description,
         )
-        server = check.server(len(self._checkers) // self._channels)
+        server = check.server(len(self._transports) // self._channels)
         chunk = Chunk(
             handle,
             _CHECK_PAYLOAD,
             np.empty_like(_CHECK_PAYLOAD),
             header,
             None,
-            self._checkers[server * self._channels],
+            self._transports[server * self._channels],
         )
         self._sender.put((-math.inf, seq, -1), chunk)
 

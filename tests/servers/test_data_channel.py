@@ -70,10 +70,18 @@ def connect(address, reply, rank=0, token=None, nonce=None, mac=None):
 
 
 def request(
-    rank=0, key=7, rnd=0, dtype=1, length=4, rid=1, name=b"t[0]", checksum=0
+    rank=0,
+    key=7,
+    rnd=0,
+    dtype=1,
+    length=4,
+    rid=1,
+    name=b"t[0]",
+    checksum=0,
+    op=_wire.DATA_OP_PUSH_PULL,
 ):
     head = _wire.DATA_REQUEST.pack(
-        _wire.DATA_OP_PUSH_PULL,
+        op,
         dtype,
         len(name),
         rank,
@@ -151,14 +159,16 @@ def test_server_survives_malformed_frames(module_server, data):
     server = module_server
     reply = hello(server.address, rank=1)
     kind = data.draw(
-        st.sampled_from(["random", "op", "rank", "dtype", "length", "huge"])
+        st.sampled_from(
+            ["random", "op", "rank", "dtype", "length", "huge", "check"]
+        )
     )
     key = data.draw(st.integers(100, 2**40))
     if kind == "random":
         frame = data.draw(st.binary(max_size=200))
     elif kind == "op":
         frame = (
-            bytes([data.draw(st.integers(2, 255))])
+            bytes([data.draw(st.integers(3, 255))])
             + request(rank=1, key=key)[1:]
         )
     elif kind == "rank":
@@ -168,6 +178,19 @@ def test_server_survives_malformed_frames(module_server, data):
         frame = request(rank=1, key=key, dtype=dtype, length=1) + b"\0"
     elif kind == "length":
         frame = request(rank=1, key=key, length=0)
+    elif kind == "check":  # a call check whose name field is any bytes
+        x = np.ones(1, np.float32)
+        frame = (
+            request(
+                rank=1,
+                key=key,
+                length=1,
+                name=data.draw(st.binary(max_size=300)),
+                checksum=_wire.fingerprint(x),
+                op=_wire.DATA_OP_CHECK,
+            )
+            + x.tobytes()
+        )
     else:
         frame = request(
             rank=1, key=key, length=data.draw(st.integers(2**30, 2**63))
@@ -183,6 +206,8 @@ def test_server_survives_malformed_frames(module_server, data):
             answer = read_frame(sock)
         except (ConnectionError, OSError, struct.error):
             answer = None  # closed: fine for a stream it cannot parse
+    if kind == "check":  # accepted (it waits for rank 0's push)
+        assert answer is not None and answer[0] == _wire.DATA_ACK, answer
     if kind in ("op", "rank", "dtype", "length", "huge"):
         assert answer is not None and answer[0] == _wire.DATA_ERROR, answer
         assert answer[1] in (
@@ -233,3 +258,15 @@ def test_workers_sum_over_the_data_channel_with_a_token(start_servers):
     finally:
         for rt in runtimes:
             rt.close()
+
+
+def test_check_names_round_trip():
+    raw = _wire.encode_check_name(2**64 - 1, "grads@0", "['w'] float32[3]")
+    assert _wire.decode_check_name(raw) == (
+        2**64 - 1,
+        "grads@0",
+        "['w'] float32[3]",
+    )
+    assert _wire.decode_check_name(b"abc") == (0, "abc", "")
+    long = _wire.encode_check_name(1, "c", "x" * 100_000)
+    assert len(long) < _wire.DATA_MAX_TEXT
