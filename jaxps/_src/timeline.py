@@ -96,33 +96,64 @@ class Timeline:
             )
 
 
-def summarize(events: list[dict], since: float | None = None) -> dict:
+def union_seconds(spans: list[dict]) -> float:
+    """Seconds covered by at least one of `spans` (trace events with ``ts``
+    and ``dur`` in microseconds): overlapping spans count once."""
+    total, reach = 0.0, float("-inf")
+    for e in sorted(spans, key=lambda e: e["ts"]):
+        begin, end = e["ts"], e["ts"] + e["dur"]
+        if end > reach:
+            total += end - max(begin, reach)
+            reach = end
+    return total / 1e6
+
+
+def summarize(
+    events: list[dict],
+    since: float | None = None,
+    until: float | None = None,
+) -> dict:
     """Communication time, the part hidden behind compute, and stage totals.
 
     A push_pull is in flight from its ``start`` hand-off to its last sum;
     the step only waits for it during ``done``. The overlap is the share of
     in-flight time that the device spent on other work instead of waiting.
+    Several push_pulls may be in flight at once (`jaxps.value_and_grad`
+    starts one per gradient leaf during the backward pass, and several
+    ``done`` callbacks may wait at the same time): communication and waiting
+    are the time *some* push_pull was in flight, or some ``done`` waited
+    (the union of the spans). With one push_pull at a time that is the sum.
 
     Args:
       events: the trace events.
       since: only count spans starting at or after this wall-clock time
         (seconds since the epoch), e.g. to skip warm-up steps.
+      until: only count spans starting before this wall-clock time.
 
     Returns:
-      ``comm_s`` (total in-flight seconds), ``exposed_s`` (seconds spent
-      waiting in ``done``), ``overlap`` (1 - exposed/comm) and, per chunk
-      stage, ``<stage>_s`` totals.
+      ``comm_s`` (seconds some push_pull was in flight), ``exposed_s``
+      (seconds some ``done`` waited), ``overlap`` (1 - exposed/comm), the
+      plain sums of the spans ``in_flight_sum_s`` and ``done_sum_s``, the
+      counts ``push_pulls`` and ``dones``, and per chunk stage (and
+      ``start``), ``<stage>_s`` totals.
     """
     if since is not None:
         events = [e for e in events if e.get("ts", 0) >= since * 1e6]
-    comm = sum(e["dur"] for e in events if e.get("name") == "in_flight")
-    exposed = sum(
-        e["dur"]
+    if until is not None:
+        events = [e for e in events if e.get("ts", 0) < until * 1e6]
+    flights = [e for e in events if e.get("name") == "in_flight"]
+    dones = [
+        e
         for e in events
         if e.get("name") == "done" and e.get("tid") == "device"
-    )
-    out = {"comm_s": comm / 1e6, "exposed_s": exposed / 1e6}
+    ]
+    comm, exposed = union_seconds(flights), union_seconds(dones)
+    out = {"comm_s": comm, "exposed_s": exposed}
     out["overlap"] = 1.0 - min(exposed, comm) / comm if comm else 0.0
+    out["in_flight_sum_s"] = sum(e["dur"] for e in flights) / 1e6
+    out["done_sum_s"] = sum(e["dur"] for e in dones) / 1e6
+    out["push_pulls"] = len(flights)
+    out["dones"] = len(dones)
     for stage in ("queue", "push", "pull", "start"):
         out[f"{stage}_s"] = (
             sum(e["dur"] for e in events if e.get("name") == stage) / 1e6

@@ -55,3 +55,52 @@ def test_no_server_traces_and_since(tmp_path):
     everything = timeline.summarize(events)
     assert summary["comm_s"] <= everything["comm_s"]
     assert summary["exposed_s"] <= everything["exposed_s"]
+
+
+def _span(name, start_ms, end_ms, tid="device"):
+    return {
+        "name": name,
+        "ph": "X",
+        "pid": 0,
+        "tid": tid,
+        "ts": start_ms * 1e3,
+        "dur": (end_ms - start_ms) * 1e3,
+    }
+
+
+def test_summarize_counts_overlapping_spans_once():
+    # three per-leaf push_pulls of one step, started during the backward
+    # pass, and their done callbacks, two of which wait at the same time
+    events = [
+        _span("in_flight", 0, 10, "push_pull"),
+        _span("in_flight", 4, 12, "push_pull"),
+        _span("in_flight", 20, 25, "push_pull"),
+        _span("done", 8, 11),
+        _span("done", 9, 12),
+        _span("done", 22, 25),
+        _span("done", 30, 31, "other row"),
+    ]
+    summary = timeline.summarize(events)
+    assert summary["comm_s"] == pytest.approx(0.017)  # 0-12 and 20-25
+    assert summary["in_flight_sum_s"] == pytest.approx(0.023)
+    assert summary["exposed_s"] == pytest.approx(0.007)  # 8-12 and 22-25
+    assert summary["done_sum_s"] == pytest.approx(0.009)
+    assert summary["overlap"] == pytest.approx(1 - 7 / 17)
+    assert (summary["push_pulls"], summary["dones"]) == (3, 3)
+    # `until` drops spans starting at or after it (seconds, like `since`)
+    early = timeline.summarize(events, since=0.0, until=0.015)
+    assert early["comm_s"] == pytest.approx(0.012)
+    assert early["exposed_s"] == pytest.approx(0.004)
+    assert timeline.union_seconds([]) == 0.0
+
+
+def test_summarize_of_disjoint_spans_is_their_sum():
+    events = [
+        _span("in_flight", 0, 3, "push_pull"),
+        _span("in_flight", 5, 9, "push_pull"),
+        _span("done", 2, 3),
+        _span("done", 8, 9),
+    ]
+    summary = timeline.summarize(events)
+    assert summary["comm_s"] == pytest.approx(summary["in_flight_sum_s"])
+    assert summary["exposed_s"] == pytest.approx(summary["done_sum_s"])
