@@ -9,7 +9,10 @@ never sees the rounds or sums of the first.
 Agreement comes through the server, without a coordinator: a worker's first
 Hello joins the session of its job that is forming (one its rank is not in
 yet), or starts a new one. Other channels of the same worker name the same
-`init_id`; a reconnect names the session it was given.
+`init_id`; a reconnect names the session it was given. A server that
+restarted adopts a session it never saw from such a reconnect (its workers
+bring it back, and their pushes its rounds: failover), unless it is one
+that ended here.
 
 A session is freed when every rank said Bye, or when it was superseded by a
 newer one of its job and then idle for two round timeouts; an idle session
@@ -19,6 +22,7 @@ job, so a server's memory is that of its live sessions.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import logging
@@ -33,6 +37,8 @@ log = logging.getLogger("jaxps.server")
 
 #: Most sessions a server keeps at once (live or superseded).
 MAX_SESSIONS = 64
+#: Ended sessions remembered, so that a late reconnect cannot revive one.
+MAX_ENDED = 4096
 
 
 def _trim_heap() -> None:
@@ -103,6 +109,9 @@ class Jobs:
         self.max_sessions = max_sessions
         self._sessions: dict[str, Session] = {}
         self._current: dict[str, Session] = {}  # job id -> forming session
+        self._ended: collections.OrderedDict[str, None] = (
+            collections.OrderedDict()
+        )
         # counters of freed sessions, so the metrics never go back
         self._retired = dict(bytes_summed=0, rounds_completed=0)
 
@@ -156,6 +165,10 @@ class Jobs:
         now = time.monotonic() if now is None else now
         if sid:  # a reconnect: the session it was given
             s = self._sessions.get(sid)
+            if s is None and sid not in self._ended:
+                # This server restarted: the workers bring their session
+                # back, and their pushes its rounds (failover).
+                s = self._start(job_id, now, sid)
             if s is None or s.job_id != job_id:
                 self.get(job_id, sid, rank, now)  # raises: unknown
             s.last_seen = now
@@ -180,7 +193,9 @@ class Jobs:
         s.left.discard(rank)
         return s
 
-    def _start(self, job_id: str, now: float) -> Session:
+    def _start(
+        self, job_id: str, now: float, sid: str | None = None
+    ) -> Session:
         if len(self._sessions) >= self.max_sessions:
             self.expire(now)
         if len(self._sessions) >= self.max_sessions:
@@ -193,10 +208,12 @@ class Jobs:
         old = self._current.get(job_id)
         if old is not None:
             old.superseded = now
-        s = Session(secrets.token_hex(8), job_id, self._make_store(), now)
+        s = Session(
+            sid or secrets.token_hex(8), job_id, self._make_store(), now
+        )
         self._sessions[s.id] = s
         self._current[job_id] = s
-        log.info("%s started", s.label())
+        log.info("%s %s", s.label(), "adopted" if sid else "started")
         return s
 
     def bye(self, s: Session, rank: int) -> None:
@@ -209,6 +226,9 @@ class Jobs:
         """Drops a session's keys, rounds and segments."""
         if self._sessions.pop(s.id, None) is None:
             return
+        self._ended[s.id] = None  # never adopted again
+        while len(self._ended) > MAX_ENDED:
+            self._ended.popitem(last=False)
         if self._current.get(s.job_id) is s:
             del self._current[s.job_id]
         self._retire(s.store)

@@ -138,8 +138,13 @@ def test_killed_worker_is_named_under_the_servers_default_timeout(
             p.stdout.close()
 
 
-def run_pair(servers, fn, timeout=TIMEOUT, transport="auto"):
-    """Runs fn(runtime) for ranks 0 and 1 in threads; returns results."""
+def run_pair(
+    servers, fn, timeout=TIMEOUT, transport="auto", recovery_window=0.0
+):
+    """Runs fn(runtime) for ranks 0 and 1 in threads; returns results.
+
+    Failover is off unless `recovery_window` says otherwise: these tests
+    are about how a fault that is not recovered is reported."""
     results = [None, None]
 
     def work(rank):
@@ -150,6 +155,7 @@ def run_pair(servers, fn, timeout=TIMEOUT, transport="auto"):
             timeout=timeout,
             partition_bytes=1 << 20,  # 4 chunks: both servers get some
             transport=transport,
+            recovery_window=recovery_window,
         )
         rt = Runtime(cfg)
         try:
@@ -247,3 +253,33 @@ def test_restarted_server_fails_clearly(start_servers, transport):
     assert any(isinstance(e, errors.ServerRestartedError) for e in results), (
         results
     )
+
+
+@pytest.mark.timeout(120)
+def test_dead_server_not_back_within_the_recovery_window_is_named(
+    start_servers,
+):
+    # With failover on, a killed server that never comes back ends the job
+    # once the recovery window is over, naming the server and the window.
+    window = 3.0
+    servers = start_servers(2, 2, "--round-timeout", str(TIMEOUT))
+    victim = servers[1]
+    running = threading.Event()
+    stopped_at = []
+
+    def kill():
+        running.wait(30)
+        stopped_at.append(time.monotonic())
+        os.kill(victim.proc.pid, signal.SIGKILL)
+
+    threading.Thread(target=kill, daemon=True).start()
+    results = run_pair(
+        servers, loop_until_error(running), recovery_window=window
+    )
+    took = time.monotonic() - stopped_at[0]
+    for err in results:
+        assert isinstance(err, errors.ServerUnavailableError), results
+        assert victim.address in str(err), err
+    assert any("recovery window (3 s)" in str(err) for err in results), results
+    print(f"the workers gave the server up after {took:.2f} s")
+    assert took < TIMEOUT + window + 5, took

@@ -39,6 +39,7 @@ ENV = {
     "trace_dir": "JAXPS_TRACE_DIR",
     "shm_bytes": "JAXPS_SHM_BYTES",
     "transport": "JAXPS_TRANSPORT",
+    "recovery_window": "JAXPS_RECOVERY_WINDOW",
 }
 
 #: Values of `Config.transport`.
@@ -80,6 +81,10 @@ class Config:
         else gRPC messages. ``"tcp"``: the data channel to every server
         that offers one; ``"grpc"``: gRPC messages only; ``"shm"``: like
         ``"auto"`` but gRPC messages instead of the data channel.
+      recovery_window: seconds within which a server that restarted or
+        stopped answering must be back; the worker then connects again,
+        pushes again what the server lost and goes on without losing a
+        step (synchronous mode). 0 turns failover off.
     """
 
     servers: tuple[str, ...] = ()
@@ -97,6 +102,7 @@ class Config:
     trace_dir: str | None = None
     shm_bytes: int = 64 * DEFAULT_PARTITION_BYTES
     transport: str = "auto"
+    recovery_window: float = 10.0
 
     def __post_init__(self):
         _check_int("num_workers", self.num_workers, low=1)
@@ -118,6 +124,15 @@ class Config:
             raise errors.ConfigError(
                 f"timeout must be a positive number of seconds. Got "
                 f"timeout={self.timeout!r} of type {type(self.timeout)}."
+            )
+        if (
+            isinstance(self.recovery_window, bool)
+            or not isinstance(self.recovery_window, (int, float))
+            or self.recovery_window < 0
+        ):
+            raise errors.ConfigError(
+                "recovery_window must be a number of seconds >= 0. Got "
+                f"recovery_window={self.recovery_window!r}."
             )
         if not isinstance(self.job_id, str) or not self.job_id:
             raise errors.ConfigError(
@@ -218,7 +233,7 @@ def _parse(name: str, text: str) -> Any:
     ):
         return text
     try:
-        if name == "timeout":
+        if name in ("timeout", "recovery_window"):
             return float(text)
         return int(text)
     except ValueError:

@@ -27,6 +27,7 @@ is what averaging divides by.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import logging
 import math
@@ -43,6 +44,7 @@ from jaxps._src import timeline as _timeline
 from jaxps._src.client import ServerClient, channel_credentials
 from jaxps._src.config import Config
 from jaxps._src.datachannel import DataConnection
+from jaxps._src.failover import RecoveringTransport
 from jaxps._src.sender import Sender
 from jaxps._src.transport import Chunk, Transport, fingerprint, pull_deadline
 from jaxps._src.transport_grpc import GrpcTransport
@@ -193,28 +195,38 @@ class Runtime:
             credentials = channel_credentials(
                 config.tls_ca, config.tls_cert, config.tls_key
             )
-        clients = [
-            ServerClient(
-                s,
+        # One id for this init: the servers put this worker's channels in
+        # one job incarnation, and a later init of the rank in a new one.
+        init_id = secrets.token_hex(8)
+
+        def connect(address: str, session: str = "") -> ServerClient:
+            """A client of `address` after its hello; `session`: the job
+            incarnation to come back to (after a server restart)."""
+            client = ServerClient(
+                address,
                 max_message_bytes=max_message,
                 timeout=config.timeout,
                 token=config.token,
                 credentials=credentials,
             )
-            for s in addresses
-            for _ in range(channels_per_server)
-        ]
-        # One id for this init: the servers put this worker's channels in
-        # one job incarnation, and a later init of the rank in a new one.
-        init_id = secrets.token_hex(8)
-        try:
-            for c in clients:
-                c.hello(
+            client.session = session
+            try:
+                client.hello(
                     job_id=config.job_id,
                     rank=config.worker_rank,
                     num_workers=config.num_workers,
                     init_id=init_id,
                 )
+            except BaseException:
+                client.close()
+                raise
+            return client
+
+        clients: list[ServerClient] = []
+        try:
+            for s in addresses:
+                for _ in range(channels_per_server):
+                    clients.append(connect(s))
         except BaseException:
             for c in clients:
                 c.close()
@@ -244,7 +256,22 @@ class Runtime:
         self._transports = [
             make_transport(c, config, self.timeline) for c in clients
         ]
+        if config.recovery_window > 0 and not self.async_servers:
+            # Async servers hold the parameters: a restart loses them.
+            self._transports = [
+                RecoveringTransport(
+                    t,
+                    functools.partial(self._reconnect, connect, t),
+                    config.recovery_window,
+                )
+                for t in self._transports
+            ]
         self._sender = Sender(credit, min(8, senders_per_server * len(clients)))
+
+    def _reconnect(self, connect, transport) -> Transport:
+        """A new transport to `transport`'s server, in the same session."""
+        client = connect(transport.address, transport.client.session)
+        return make_transport(client, self.config, self.timeline)
 
     def check_mode(self, names: Sequence[str], mode: str = "sync") -> None:
         """Refuses sums from async servers, and parameters from sync ones.

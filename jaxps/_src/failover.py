@@ -1,0 +1,224 @@
+"""Server failover: a restarted server loses no step (synchronous mode).
+
+In synchronous mode a server holds nothing that the workers cannot give it
+again, only the rounds in flight. `RecoveringTransport` wraps the transport
+of one server client. When a chunk fails because the server restarted
+(`ServerRestartedError`) or stopped answering (`ServerUnavailableError`),
+it connects again within the recovery window (a fresh Hello: the workers
+meet in a new job incarnation of the new server process, shared memory is
+attached anew), pushes again, without pulling, the last completed round of
+every key it sent to that server, and then sends the failed chunk again.
+
+Why the re-push of completed rounds: a rank pulls only once a round is
+complete, so after a crash some ranks may hold a round's sum that others
+never got. Those others push the round again to the new server; the ranks
+that already have it push their payload again too, so that the round can
+complete, and do not pull it. The new server starts each key at the round
+of its first push; exactly-once dedupe makes every repeat harmless, and a
+re-push that the new server refuses (its key already started later) is
+dropped, since no rank waits for that round.
+
+The cost: each key's last payload to the server is kept (one copy of the
+gradients per worker, refreshed in place every round).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from jaxps._src import errors
+from jaxps._src.transport import Chunk, Credit, Transport, fingerprint
+from jaxps.servers import jaxps_pb2 as pb
+
+log = logging.getLogger("jaxps")
+
+#: Errors after which the server may be back with nothing of this job.
+RECOVERABLE = (errors.ServerRestartedError, errors.ServerUnavailableError)
+
+
+class _FreeCredit:
+    """The credit of a chunk sent again: it gave its bytes back already."""
+
+    def release(self, nbytes: int) -> None:
+        del nbytes
+
+    def may_block(self) -> bool:
+        return False
+
+    def unblock(self) -> None:
+        pass
+
+
+_FREE = _FreeCredit()
+
+
+class _Attempt:
+    """Stands in for a chunk's handle during one attempt to send it."""
+
+    __slots__ = ("owner", "chunk", "generation")
+
+    def __init__(self, owner: RecoveringTransport, chunk: Chunk, generation):
+        self.owner, self.chunk, self.generation = owner, chunk, generation
+
+    def chunk_done(self) -> None:
+        self.owner._keep(self.chunk)
+        self.chunk.handle.chunk_done()
+
+    def fail(self, err: BaseException) -> None:
+        self.owner._failed(self.chunk, err, self.generation)
+
+    def failed(self) -> bool:
+        return self.chunk.handle.failed()
+
+
+class RecoveringTransport(Transport):
+    """A transport that reconnects to a restarted server and goes on.
+
+    Args:
+      first: the transport of the first connection.
+      reconnect: makes a new transport, after a fresh hello (raises a
+        `JaxpsError` while the server is not back).
+      window: seconds from a failure within which the server must be back.
+    """
+
+    def __init__(
+        self,
+        first: Transport,
+        reconnect: Callable[[], Transport],
+        window: float,
+    ):
+        super().__init__(first.client, first.timeline)
+        self._inner = first
+        self._reconnect = reconnect
+        self._window = window
+        self._lock = threading.Lock()
+        self._generation = 0
+        self._closed = False
+        self._replaced: list[Transport] = []  # closed with this one
+        # key -> (header, payload) of its last completed round here
+        self._kept: dict[int, tuple[pb.Header, np.ndarray]] = {}
+        #: seconds each recovery took, failure to the new transport
+        self.recoveries: list[float] = []
+
+    def send(self, chunk: Chunk, credit: Credit) -> None:
+        with self._lock:
+            inner, generation = self._inner, self._generation
+        self._send(inner, chunk, credit, generation)
+
+    def _send(self, inner, chunk: Chunk, credit, generation) -> None:
+        attempt = Chunk(
+            _Attempt(self, chunk, generation),
+            chunk.source,
+            chunk.dest,
+            chunk.header,
+            chunk.divisor,
+            inner,
+        )
+        attempt.queued = chunk.queued
+        try:
+            inner.send(attempt, credit)
+        except Exception as err:  # noqa: BLE001 - e.g. its channel closed
+            self._failed(chunk, err, generation)
+
+    def _keep(self, chunk: Chunk) -> None:
+        """Keeps a copy of a completed chunk's payload, for a re-push."""
+        key = chunk.header.key
+        with self._lock:
+            kept = self._kept.get(key)
+            if kept is None or kept[1].shape != chunk.source.shape:
+                kept = (pb.Header(), np.empty_like(chunk.source))
+                self._kept[key] = kept
+            kept[0].CopyFrom(chunk.header)
+            np.copyto(kept[1], chunk.source)
+
+    def _failed(self, chunk: Chunk, err: BaseException, generation) -> None:
+        # A chunk of a replaced transport fails however its closed channel
+        # makes it fail: it is sent again all the same.
+        stale = generation != self._generation
+        if self._closed or not (stale or isinstance(err, RECOVERABLE)):
+            chunk.handle.fail(err)
+            return
+        # Not on the transport's own thread (it may be its reader).
+        threading.Thread(
+            target=self._recover_and_resend,
+            args=(chunk, err, generation, time.monotonic()),
+            name="jaxps-failover",
+            daemon=True,
+        ).start()
+
+    def _recover_and_resend(self, chunk, err, generation, failed_at) -> None:
+        try:
+            with self._lock:
+                if self._generation == generation:
+                    self._recover(err, failed_at)
+                inner, generation = self._inner, self._generation
+        except BaseException as final:  # noqa: BLE001 - reported to the waiter
+            chunk.handle.fail(final)
+            return
+        self._send(inner, chunk, _FREE, generation)
+
+    def _recover(self, err: BaseException, failed_at: float) -> None:
+        """Connects again and re-pushes the kept rounds, under the lock.
+
+        The old transport is closed only with this one: sender threads may
+        still be sending on it, and its chunks fail over to the new one."""
+        deadline = failed_at + self._window
+        last = err
+        while True:
+            if self._closed:
+                raise err
+            try:
+                inner = self._reconnect()
+                break
+            except errors.JaxpsError as again:
+                last = again
+            if time.monotonic() >= deadline:
+                raise errors.ServerUnavailableError(
+                    f"server {self.address} did not come back within the "
+                    f"recovery window ({self._window:g} s) after: {err}; "
+                    f"last attempt: {last}"
+                ) from err
+            time.sleep(0.2)
+        self._replaced.append(self._inner)
+        self._inner = inner
+        self._generation += 1
+        self.client = inner.client
+        repushed = 0
+        push_deadline = time.monotonic() + inner.timeout
+        for header, payload in self._kept.values():
+            h = pb.Header()
+            h.CopyFrom(header)
+            try:
+                inner.client.push(
+                    h, payload, fingerprint(payload), push_deadline
+                )
+                repushed += 1
+            except errors.JaxpsError as refused:
+                # e.g. the new server started the key at a later round: no
+                # rank waits for this one
+                log.debug("jaxps: re-push of %s refused: %s", h.name, refused)
+        took = time.monotonic() - failed_at
+        self.recoveries.append(took)
+        log.warning(
+            "jaxps: server %s came back (%s); connected again and pushed "
+            "%d completed round(s) again, %.2f s after the failure",
+            self.address,
+            type(err).__name__,
+            repushed,
+            took,
+        )
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            for transport in (*self._replaced, self._inner):
+                try:
+                    transport.close()
+                except Exception:  # noqa: BLE001 - a dead connection
+                    if transport is self._inner:
+                        raise
