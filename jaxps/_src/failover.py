@@ -105,6 +105,23 @@ class RecoveringTransport(Transport):
         #: seconds each recovery took, failure to the new transport
         self.recoveries: list[float] = []
 
+    @property
+    def current(self) -> Transport:
+        """The transport in use now."""
+        return self._inner
+
+    def __getattr__(self, name):
+        # what only the transport in use has (a shm pool, a data channel)
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    def forget_rounds(self) -> None:
+        """Drops the kept payloads: every key starts again at round 0
+        (after `jaxps.join`), so no kept round can be asked for again."""
+        with self._lock:
+            self._kept.clear()
+
     def send(self, chunk: Chunk, credit: Credit) -> None:
         with self._lock:
             inner, generation = self._inner, self._generation

@@ -493,6 +493,9 @@ class Runtime:
             self._rounds = {}  # the servers start every key again, too
             self._join_epoch += 1
             self._joined = False
+        for transport in self._transports:
+            if isinstance(transport, RecoveringTransport):
+                transport.forget_rounds()
         return lasts[0]
 
     def push_pull(

@@ -344,7 +344,8 @@ def test_each_server_client_gets_a_transport(start_servers):
         cfg = Config(servers=(server.address,), **settings)
         rt = Runtime(cfg, channels_per_server=2)
         try:
-            assert [type(t) for t in rt._transports] == [kind, kind]
+            # (each wrapped by the failover's RecoveringTransport)
+            assert [type(t.current) for t in rt._transports] == [kind, kind]
             got = rt.push_pull(f"x{i}", np.full(3, 2.0, np.float32))
             np.testing.assert_array_equal(got, 2.0)
         finally:

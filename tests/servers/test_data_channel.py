@@ -240,7 +240,7 @@ def test_workers_sum_over_the_data_channel_with_a_token(start_servers):
     ]
     try:
         assert all(
-            isinstance(t, TcpTransport) and t.connection is not None
+            isinstance(t.current, TcpTransport) and t.connection is not None
             for rt in runtimes
             for t in rt._transports
         )
