@@ -61,8 +61,9 @@ def _start_server(port, num_workers=2):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("transport", ["auto", "grpc", "tcp"])
-@pytest.mark.parametrize("kill_at", [5, 30])
+@pytest.mark.parametrize(
+    "transport, kill_at", [("auto", 5), ("grpc", 30), ("tcp", 17)]
+)
 def test_killed_and_restarted_server_loses_no_step(
     tmp_path, transport, kill_at
 ):
