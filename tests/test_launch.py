@@ -178,6 +178,51 @@ def test_push_pull_across_two_servers(tmp_path):
     assert "[worker 1] ok" in res.stdout.splitlines()
 
 
+@pytest.mark.timeout(150)
+def test_killed_server_is_restarted_and_the_job_loses_no_step(tmp_path):
+    # Rank 0 kills the server (-9) at step 10; --restart-servers starts it
+    # again on its port and the workers fail over to it: every sum exact.
+    code = """
+        import os, signal, jaxps, numpy as np
+        jaxps.init()
+        launcher = os.getppid()
+        for step in range(40):
+            x = np.arange(5000, dtype=np.float32) * (jaxps.rank() + 1) + step
+            y = jaxps.push_pull_numpy("x", x, average=False)
+            want = np.arange(5000, dtype=np.float32) * 3 + 2 * step
+            np.testing.assert_array_equal(y, want)
+            if step == 10 and jaxps.rank() == 0:
+                path = f"/proc/{launcher}/task/{launcher}/children"
+                flag = "--round" + "-timeout"  # the servers' (not this code)
+                for pid in open(path).read().split():
+                    if flag in open(f"/proc/{pid}/cmdline").read():
+                        os.kill(int(pid), signal.SIGKILL)
+        jaxps.shutdown()
+        print("ok")
+    """
+    res = _run(
+        tmp_path,
+        "--workers",
+        "2",
+        "--servers",
+        "1",
+        "--restart-servers",
+        "1",
+        "--deterministic",
+        "--timeout",
+        "30",
+        "--",
+        *_script(code),
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "[worker 0] ok" in res.stdout.splitlines(), res.stdout
+    assert "[worker 1] ok" in res.stdout.splitlines(), res.stdout
+    assert "server 0 ended (SIGKILL); starting it again on port" in (
+        res.stderr
+    ), res.stderr
+
+
 @pytest.mark.timeout(120)
 def test_server_processes_are_all_listed_and_sum(tmp_path):
     code = """
@@ -530,6 +575,10 @@ def test_server_that_dies_while_workers_run(monkeypatch, capsys, tmp_path):
         (
             ["-w", "1", "-s", "1", "--server-processes", "0", "--", "true"],
             "--server-processes must be >= 1, got 0",
+        ),
+        (
+            ["-w", "1", "-s", "1", "--restart-servers", "-1", "--", "true"],
+            "--restart-servers must be >= 0, got -1",
         ),
         (
             [

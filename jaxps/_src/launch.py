@@ -43,7 +43,7 @@ _TICK = 0.1
 _USAGE = (
     "jaxps-launch [-h] (--workers N [--servers K] | --hostfile FILE) "
     "[--server-processes P] [--timeout SECONDS] [--job-id ID] "
-    "[--engine-threads T] [--dry-run] "
+    "[--engine-threads T] [--restart-servers R] [--dry-run] "
     "[--async] [--deterministic] -- CMD [ARGS ...]"
 )
 
@@ -75,6 +75,9 @@ class LaunchConfig:
       dry_run: print the command lines instead of running them.
       server_processes: processes of each local server (``jaxps-server
         --processes``); a hostfile gives its own per server line.
+      restart_servers: how many times a local server that ends while the
+        workers run is started again on its port (the workers fail over
+        to it); 0 stops the job instead.
     """
 
     workers: int
@@ -88,6 +91,7 @@ class LaunchConfig:
     hosts: hostfile.Hosts | None = None
     dry_run: bool = False
     server_processes: int = 1
+    restart_servers: int = 0
 
 
 # ----------------------------------------------------------------------------
@@ -156,6 +160,15 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="T",
         help="summation threads per server (default: jaxps-server's)",
+    )
+    p.add_argument(
+        "--restart-servers",
+        type=int,
+        default=0,
+        metavar="R",
+        help="start a local server that ends while the workers run again "
+        "on its port, up to R times in all; the workers fail over to it "
+        "without losing a step (synchronous mode). Default 0: stop the job",
     )
     p.add_argument(
         "--hostfile",
@@ -257,6 +270,15 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         parser.error(
             f"--server-processes must be >= 1, got {args.server_processes}"
         )
+    if args.restart_servers < 0:
+        parser.error(
+            f"--restart-servers must be >= 0, got {args.restart_servers}"
+        )
+    if args.restart_servers and (args.hostfile or args.server_processes > 1):
+        parser.error(
+            "--restart-servers restarts local single-process servers only "
+            "(not with --hostfile or --server-processes)"
+        )
     hosts = None
     if args.hostfile:
         if args.workers is not None or args.servers is not None:
@@ -309,6 +331,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         hosts=hosts,
         dry_run=args.dry_run,
         server_processes=args.server_processes,
+        restart_servers=args.restart_servers,
     )
 
 
@@ -385,6 +408,8 @@ class Launcher:
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.servers: list[process.Child] = []
         self.workers: list[process.Child] = []
+        self._addresses: list[str] = []  # of the local servers
+        self._restarts = 0
         self.signals: list[int] = []
 
     def on_signal(self, signum: int, frame: Any = None) -> None:
@@ -457,7 +482,7 @@ class Launcher:
         workers = [(f"worker {r}", list(c.command)) for r in range(c.workers)]
         return servers + workers
 
-    def _server_argv(self) -> list[str]:
+    def _server_argv(self, port: int = 0) -> list[str]:
         c = self.config
         return process.server_argv(
             c.workers,
@@ -477,7 +502,7 @@ class Launcher:
             ),
             *c.server_flags,
             host="127.0.0.1",
-            port=0,
+            port=port,
         )
 
     def _start_servers(self) -> list[str]:
@@ -500,7 +525,22 @@ class Launcher:
         ]
         if c.hosts is not None:  # as named in the hostfile
             return list(c.hosts.addresses())
+        self._addresses = addresses
         return addresses
+
+    def _restart(self, child: process.Child) -> None:
+        """Starts the server `child` was again, on its port."""
+        i = self.servers.index(child)
+        self._restarts += 1
+        port = int(self._addresses[i].rpartition(":")[2])
+        self.output.error(
+            f"{child.name} ended ({describe(child.returncode)}); "
+            f"starting it again on port {port} (restart {self._restarts} of "
+            f"{self.config.restart_servers})"
+        )
+        server = self._child(child.name, self._server_argv(port), os.environ)
+        self.servers[i] = server
+        self._await_ready(server, 1, time.monotonic() + SERVER_START_TIMEOUT)
 
     def _await_ready(
         self, server: process.Child, count: int, deadline: float
@@ -556,6 +596,9 @@ class Launcher:
             if kind != "exit":
                 continue
             if child in self.servers:
+                if self._restarts < self.config.restart_servers:
+                    self._restart(child)
+                    continue
                 raise LaunchError(
                     f"{child.name} ended ({describe(child.returncode)}) "
                     "while workers were running; stopping all processes"
