@@ -54,7 +54,7 @@ def _tap_bwd(spec, _, cotangent):
         pushed = lax.psum_scatter(
             _padded(cotangent, lax.axis_size(axis_name)), axis_name, tiled=True
         )
-        average = False  # divided by workers x local devices in _collect
+        # the runtime divides by the ranks that pushed; _collect by local
     ticket = io_callback(
         jit_errors.in_callback(
             functools.partial(_start, name, average, priority, "sync")
@@ -156,7 +156,6 @@ def value_and_grad(
                 base,
                 average,
                 axis_name,
-                runtime.size,
             )
         leaves, treedef = jax.tree.flatten(target)
         specs = _specs(
@@ -177,9 +176,7 @@ def value_and_grad(
         value, (grads, tickets) = jax.value_and_grad(
             tapped, argnums=(0, 1), has_aux=has_aux
         )(target, slots, *rest)
-        return value, _collect(
-            grads, tickets, specs, average, axis_name, runtime.size
-        )
+        return value, _collect(grads, tickets, specs, average, axis_name)
 
     return wrapped
 
@@ -211,7 +208,7 @@ def _specs(tree, base, average, priorities, count, axis_name):
     return specs
 
 
-def _collect(grads, tickets, specs, average, axis_name, workers):
+def _collect(grads, tickets, specs, average, axis_name):
     """The summed gradients: one done per pushed leaf."""
     leaves, treedef = jax.tree.flatten(grads)
     outs = []
@@ -229,7 +226,7 @@ def _collect(grads, tickets, specs, average, axis_name, workers):
         )
         if axis_name is not None:
             if average:
-                out = out / jnp.asarray(workers * local, out.dtype)
+                out = out / jnp.asarray(local, out.dtype)
             out = lax.all_gather(out, axis_name, tiled=True)
             out = out[: leaf.size].reshape(leaf.shape)
         outs.append(out)
@@ -237,7 +234,7 @@ def _collect(grads, tickets, specs, average, axis_name, workers):
 
 
 def _module_value_and_grad(
-    nnx, fun, argnums, has_aux, args, kwargs, base, average, axis_name, size
+    nnx, fun, argnums, has_aux, args, kwargs, base, average, axis_name
 ):
     """`value_and_grad` of an `nnx.Module` argument, by its `nnx.Param`s."""
     module = args[argnums]
@@ -261,4 +258,4 @@ def _module_value_and_grad(
     value, (grads, tickets) = nnx.value_and_grad(
         tapped, argnums=(0, 1), has_aux=has_aux
     )(module, slots)
-    return value, _collect(grads, tickets, specs, average, axis_name, size)
+    return value, _collect(grads, tickets, specs, average, axis_name)

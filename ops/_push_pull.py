@@ -115,7 +115,6 @@ def push_pull(
                 live_priorities,
                 axis_name,
                 average,
-                runtime.size,
                 mode,
             )
         for i, out in zip(live, sums):
@@ -123,7 +122,7 @@ def push_pull(
     return jax.tree_util.tree_unflatten(treedef, outs)
 
 
-def _hierarchical(leaves, names, priorities, axis_name, average, workers, mode):
+def _hierarchical(leaves, names, priorities, axis_name, average, mode):
     local = lax.axis_size(axis_name)
     index = lax.axis_index(axis_name).astype(jnp.int32)
     shards, pads = [], []
@@ -138,14 +137,14 @@ def _hierarchical(leaves, names, priorities, axis_name, average, workers, mode):
         shards,
         index,
         names=names,
-        average=False,
+        average=average,  # by the ranks that pushed (fewer after join)
         priorities=priorities,
         mode=mode,
     )
     outs = []
     for leaf, total, pad in zip(leaves, sums, pads):
         if average:
-            total = total / jnp.asarray(workers * local, total.dtype)
+            total = total / jnp.asarray(local, total.dtype)
         full = lax.all_gather(total, axis_name, tiled=True)
         if pad:
             full = full[: full.size - pad]
