@@ -7,6 +7,7 @@ raises it as its own type again.
 
 from jaxps._src.errors import ConfigError as ConfigError
 from jaxps._src.errors import JaxpsError as JaxpsError
+from jaxps._src.errors import MismatchError as MismatchError
 from jaxps._src.errors import NotInitializedError as NotInitializedError
 from jaxps._src.errors import RequestRejectedError as RequestRejectedError
 from jaxps._src.errors import RoundTimeoutError as RoundTimeoutError
@@ -18,6 +19,7 @@ from jaxps._src.jit_errors import typed as typed
 __all__ = [
     "ConfigError",
     "JaxpsError",
+    "MismatchError",
     "NotInitializedError",
     "RequestRejectedError",
     "RoundTimeoutError",

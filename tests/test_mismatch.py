@@ -51,6 +51,16 @@ WORKER = textwrap.dedent(
                 "CASE", case, round(time.monotonic() - began, 3),
                 type(err).__name__, text, flush=True,
             )
+    # under jit, caught by its own type (jaxps.errors.typed)
+    import jax
+    step = jax.jit(lambda t: jaxps.push_pull(t, name="jitted"))
+    began = time.monotonic()
+    try:
+        with errors.typed():
+            jax.block_until_ready(step(CASES["shape"]))
+        print("NOERROR jitted", flush=True)
+    except errors.MismatchError as err:
+        print("JITTED", round(time.monotonic() - began, 3), flush=True)
     # a matching numpy call after the mismatches still works
     x = jaxps.push_pull_numpy("after", np.full(5, r, np.float32))
     np.testing.assert_allclose(x, 0.5)
@@ -95,8 +105,11 @@ def test_mismatch_is_named_at_once(
                 _, case, seconds, kind, text = line.split(" ", 4)
                 cases[case] = (float(seconds), kind, text)
         assert set(cases) == set(EXPECTED), out
-        for case, (seconds, _, text) in cases.items():
+        (jitted,) = [x for x in out.splitlines() if x.startswith("JITTED ")]
+        assert float(jitted.split()[1]) < 2.0, jitted  # with compilation
+        for case, (seconds, kind, text) in cases.items():
             assert seconds < 2.0, (case, seconds, text)
+            assert kind == "MismatchError", (case, kind, text)
             assert "push_pull mismatch" in text, text
             mine, theirs = EXPECTED[case]
             ranks = re.findall(r"rank (\d) pushed \[(.*?)\](?: but|;)", text)

@@ -297,6 +297,8 @@ class DataConnection:
         if code == "DEADLINE_EXCEEDED":
             return errors.RoundTimeoutError(f"{where}: {text}")
         if code in _wire.REJECTED_STATUSES:
+            if _wire.MISMATCH_PREFIX in text:  # as ServerClient.translate
+                return errors.MismatchError(f"{where}: {text}")
             return errors.RequestRejectedError(
                 f"{where} rejected the request ({code}): {text}"
             )
