@@ -1,4 +1,4 @@
-"""Soak: 10,000 rounds of many small tensors, 2 workers and 2 servers.
+"""Soak: 6,000 rounds of many small tensors, 2 workers and 2 servers.
 
 Worker and server memory (RSS), threads and open files must stay flat.
 """
@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-ROUNDS = 10_000
+ROUNDS = 6_000
 WARMUP = 1_000
 MIB = 1024 * 1024
 
@@ -115,10 +115,12 @@ def test_soak_memory_and_threads_stay_flat(start_servers, tmp_path):
             f"worker {rank}: RSS {w_rss / MIB:.1f} -> {e_rss / MIB:.1f} MiB, "
             f"threads {w_threads} -> {e_threads}, fds {w_fds} -> {e_fds}"
         )
-        assert e_rss - w_rss <= 10 * MIB, report[-1]
+        # 2 MiB: a leak of 400 bytes a round shows (one was 250, the
+        # failover's kept headers growing their protobuf arenas)
+        assert e_rss - w_rss <= 2 * MIB, report[-1]
         # grpc starts a helper thread per channel while futures are pending
         # and ends it when idle, so a thread or two may come and go; a leak
-        # would grow with the 9,000 rounds in between.
+        # would grow with the 5,000 rounds in between.
         assert e_threads <= w_threads + 2 and e_fds == w_fds, report[-1]
     for i, ((w_rss, w_threads), (e_rss, e_threads)) in enumerate(
         zip(lines["servers_warm"], servers_end)

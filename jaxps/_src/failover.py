@@ -147,11 +147,13 @@ class RecoveringTransport(Transport):
         key = chunk.header.key
         with self._lock:
             kept = self._kept.get(key)
-            if kept is None or kept[1].shape != chunk.source.shape:
-                kept = (pb.Header(), np.empty_like(chunk.source))
-                self._kept[key] = kept
-            kept[0].CopyFrom(chunk.header)
-            np.copyto(kept[1], chunk.source)
+            payload = None if kept is None else kept[1]
+            if payload is None or payload.shape != chunk.source.shape:
+                payload = np.empty_like(chunk.source)
+            np.copyto(payload, chunk.source)
+            # The header as it is (it is not changed once its chunk is
+            # done): CopyFrom into one kept message would grow its arena.
+            self._kept[key] = (chunk.header, payload)
 
     def _failed(self, chunk: Chunk, err: BaseException, generation) -> None:
         # A chunk of a replaced transport fails however its closed channel
