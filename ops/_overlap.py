@@ -5,8 +5,8 @@ Each differentiated leaf goes through an identity with a custom VJP (a
 it starts the leaf's push_pull (the start host callback) and hands the
 callback's ticket back as the cotangent of a scalar *slot* input, so the
 ticket leaves the backward pass as data. After the backward pass one done
-callback per leaf waits for that leaf's sum. The leaf's own cotangent is
-zero: its sum, not its local gradient, is the result.
+callback, which takes every ticket, waits for the sums. The leaf's own
+cotangent is zero: its sum, not its local gradient, is the result.
 """
 
 from __future__ import annotations
@@ -25,54 +25,100 @@ from jaxps.ops import _host
 from jaxps.ops._push_pull import leaf_names
 
 
-def _start(name, average, priority, mode, shard, grad):
+def _start(names, average, priorities, mode, shard, *grads):
     # a float32 holds every ticket exactly (they stay below _host.TICKETS)
-    ticket = _host.start((name,), average, (priority,), mode, shard, grad)
+    ticket = _host.start(names, average, priorities, mode, shard, *grads)
     return np.float32(ticket)
 
 
-def _done(ticket):
-    return _host.done(int(ticket))
+def _done_all(*tickets):
+    # every leaf's sum; the first error fails the step, the rest are waited
+    # for too, so that no push is left in flight
+    sums, first = [], None
+    for ticket in tickets:
+        try:
+            sums.extend(_host.done(int(ticket)))
+        except Exception as err:  # noqa: BLE001 - raised below
+            first = first or err
+    if first is not None:
+        raise first
+    return tuple(sums)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _tap(leaf, slot, spec):
+def _tap(leaves, slot, spec):
     del slot, spec
-    return leaf
+    return leaves
 
 
-def _tap_fwd(leaf, slot, spec):
+def _tap_fwd(leaves, slot, spec):
     del slot, spec
-    return leaf, None
+    return leaves, None
 
 
-def _tap_bwd(spec, _, cotangent):
-    name, average, priority, axis_name = spec
-    shard, pushed = jnp.int32(0), cotangent
+def _tap_bwd(spec, _, cotangents):
+    """Starts the push of a bucket once all its cotangents are complete."""
+    names, average, priorities, axis_name = spec
+    shard, pushed = jnp.int32(0), list(cotangents)
     if axis_name is not None:  # this device pushes its 1/L of the local sum
         shard = lax.axis_index(axis_name).astype(jnp.int32)
-        pushed = lax.psum_scatter(
-            _padded(cotangent, lax.axis_size(axis_name)), axis_name, tiled=True
-        )
+        local = lax.axis_size(axis_name)
+        pushed = [
+            lax.psum_scatter(_padded(c, local), axis_name, tiled=True)
+            for c in cotangents
+        ]
         # the runtime divides by the ranks that pushed; _collect by local
     ticket = io_callback(
         jit_errors.in_callback(
-            functools.partial(_start, name, average, priority, "sync")
+            functools.partial(_start, names, average, priorities, "sync")
         ),
         jax.ShapeDtypeStruct((), jnp.float32),
         shard,
-        pushed,
+        *pushed,
         ordered=False,
     )
-    return jnp.zeros_like(cotangent), ticket
+    return tuple(jnp.zeros_like(c) for c in cotangents), ticket
+
+
+_tap.defvjp(_tap_fwd, _tap_bwd)
+
+
+def _buckets(leaves, specs, bucket_bytes):
+    """Consecutive pushed leaves, grouped up to `bucket_bytes` each."""
+    buckets, current, size = [], [], 0
+    for i, (leaf, spec) in enumerate(zip(leaves, specs)):
+        if spec is None:
+            continue
+        current.append(i)
+        size += np.prod(jnp.shape(leaf)) * jnp.result_type(leaf).itemsize
+        if size >= bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _tap_all(leaves, slots, specs, buckets, average, axis_name):
+    """`leaves` with each bucket passed through one tap."""
+    out = list(leaves)
+    for bucket, slot in zip(buckets, slots):
+        spec = (
+            tuple(specs[i][0] for i in bucket),
+            average,
+            tuple(specs[i][1] for i in bucket),
+            axis_name,
+        )
+        for i, leaf in zip(
+            bucket, _tap(tuple(out[i] for i in bucket), slot, spec)
+        ):
+            out[i] = leaf
+    return out
 
 
 def _padded(leaf, local):
     flat = jnp.ravel(leaf)
     return jnp.pad(flat, (0, -flat.size % local))
-
-
-_tap.defvjp(_tap_fwd, _tap_bwd)
 
 
 def value_and_grad(
@@ -84,12 +130,15 @@ def value_and_grad(
     name: str | None = None,
     priorities=None,
     axis_name=None,
+    bucket_bytes: int = 1 << 20,
 ):
     """`jax.value_and_grad` whose gradients are summed over the workers.
 
-    Each leaf's push_pull starts inside the backward pass, as soon as its
-    gradient is complete, so communication overlaps the rest of the
-    backward pass; the sums are waited for at the end. The result equals
+    The leaves go out in buckets (consecutive leaves, about `bucket_bytes`
+    each). Each bucket's push_pull starts inside the backward pass, as soon
+    as its gradients are complete, so communication overlaps the rest of
+    the backward pass; the sums are waited for at the end, by one host
+    callback. The result equals
     ``push_pull(jax.grad(fun)(...))`` bit for bit (with deterministic
     servers). Use it with the optimizer itself (``optax.adamw(...)``, or
     ``nnx.Optimizer`` with it), not with `DistributedOptimizer`, which would
@@ -116,6 +165,10 @@ def value_and_grad(
         earlier in the tree first (the first layers, which the next
         forward pass needs first).
       axis_name: the shard_map / pmap axis of the local devices, or None.
+      bucket_bytes: consecutive leaves are pushed together, in buckets of
+        about this many bytes; a bucket's push starts once all of its
+        gradients are complete. Small buckets start sooner, but every push
+        costs CPU (a host callback, a round per server).
 
     Returns:
       A function with `fun`'s arguments that returns ``(value, grads)``
@@ -128,6 +181,10 @@ def value_and_grad(
     (Array(2., dtype=float32), {'w': Array([2., 2.], dtype=float32)})
     >>> jaxps.shutdown()
     """
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int):
+        raise TypeError(f"bucket_bytes must be an int, got {bucket_bytes!r}.")
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}.")
     if not isinstance(argnums, int):
         raise TypeError(
             "jaxps.value_and_grad differentiates one argument: argnums must "
@@ -156,18 +213,17 @@ def value_and_grad(
                 base,
                 average,
                 axis_name,
+                bucket_bytes,
             )
         leaves, treedef = jax.tree.flatten(target)
-        specs = _specs(
-            target, base, average, priorities, len(leaves), axis_name
-        )
-        slots = [jnp.zeros((), jnp.float32) for _ in leaves]
+        specs = _specs(target, base, priorities, len(leaves))
+        buckets = _buckets(leaves, specs, bucket_bytes)
+        slots = [jnp.zeros((), jnp.float32) for _ in buckets]
 
         def tapped(tree, slots, *rest):
-            taps = [
-                leaf if spec is None else _tap(leaf, slot, spec)
-                for leaf, slot, spec in zip(jax.tree.leaves(tree), slots, specs)
-            ]
+            taps = _tap_all(
+                jax.tree.leaves(tree), slots, specs, buckets, average, axis_name
+            )
             call = list(rest)
             call.insert(argnums % len(args), treedef.unflatten(taps))
             return fun(*call, **kwargs)
@@ -176,13 +232,13 @@ def value_and_grad(
         value, (grads, tickets) = jax.value_and_grad(
             tapped, argnums=(0, 1), has_aux=has_aux
         )(target, slots, *rest)
-        return value, _collect(grads, tickets, specs, average, axis_name)
+        return value, _collect(grads, tickets, buckets, average, axis_name)
 
     return wrapped
 
 
-def _specs(tree, base, average, priorities, count, axis_name):
-    """Per leaf: (wire name, average, priority, axis_name), or None."""
+def _specs(tree, base, priorities, count):
+    """Per leaf: (wire name, priority), or None (an empty leaf)."""
     leaves = jax.tree.leaves(tree)
     if priorities is None:
         priorities = [-i for i in range(count)]
@@ -202,54 +258,74 @@ def _specs(tree, base, average, priorities, count, axis_name):
                 "leaves."
             )
         empty = not np.prod(jnp.shape(leaf))
-        specs.append(
-            None if empty else (leaf_name, average, priority, axis_name)
-        )
+        specs.append(None if empty else (leaf_name, priority))
     return specs
 
 
-def _collect(grads, tickets, specs, average, axis_name):
-    """The summed gradients: one done per pushed leaf."""
+def _collect(grads, tickets, buckets, average, axis_name):
+    """The summed gradients, from one done callback for all the buckets.
+
+    One callback that takes every ticket cannot run before the last start:
+    with a done per leaf, XLA ran each right after its leaf's start, so the
+    backward pass waited for one round trip after another (and blocked
+    dones could hold every thread of the CPU runtime).
+    """
     leaves, treedef = jax.tree.flatten(grads)
-    outs = []
-    for leaf, ticket, spec in zip(leaves, tickets, specs):
-        if spec is None:
-            outs.append(leaf)
-            continue
-        pushed = jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-        if axis_name is not None:
-            local = lax.axis_size(axis_name)
-            size = _padded(leaf, local).size // local
-            pushed = jax.ShapeDtypeStruct((size,), leaf.dtype)
-        (out,) = io_callback(
-            jit_errors.in_callback(_done), (pushed,), ticket, ordered=False
+    pushed = []
+    for bucket in buckets:
+        for i in bucket:
+            shape = leaves[i].shape
+            if axis_name is not None:
+                local = lax.axis_size(axis_name)
+                shape = (_padded(leaves[i], local).size // local,)
+            pushed.append(jax.ShapeDtypeStruct(shape, leaves[i].dtype))
+    if not buckets:
+        return grads
+    sums = iter(
+        io_callback(
+            jit_errors.in_callback(_done_all),
+            tuple(pushed),
+            *tickets,
+            ordered=False,
         )
-        if axis_name is not None:
-            if average:
-                out = out / jnp.asarray(local, out.dtype)
-            out = lax.all_gather(out, axis_name, tiled=True)
-            out = out[: leaf.size].reshape(leaf.shape)
-        outs.append(out)
+    )
+    outs = list(leaves)  # empty leaves stay as they are
+    for bucket in buckets:
+        for i in bucket:
+            out = next(sums)
+            if axis_name is not None:
+                if average:
+                    out = out / jnp.asarray(local, out.dtype)
+                out = lax.all_gather(out, axis_name, tiled=True)
+                out = out[: leaves[i].size].reshape(leaves[i].shape)
+            outs[i] = out
     return treedef.unflatten(outs)
 
 
 def _module_value_and_grad(
-    nnx, fun, argnums, has_aux, args, kwargs, base, average, axis_name
+    nnx,
+    fun,
+    argnums,
+    has_aux,
+    args,
+    kwargs,
+    base,
+    average,
+    axis_name,
+    bucket_bytes,
 ):
     """`value_and_grad` of an `nnx.Module` argument, by its `nnx.Param`s."""
     module = args[argnums]
     params = nnx.state(module, nnx.Param)
     leaves = jax.tree.leaves(params)
-    specs = _specs(params, base, average, None, len(leaves), axis_name)
-    slots = [jnp.zeros((), jnp.float32) for _ in leaves]
+    specs = _specs(params, base, None, len(leaves))
+    buckets = _buckets(leaves, specs, bucket_bytes)
+    slots = [jnp.zeros((), jnp.float32) for _ in buckets]
 
     def tapped(module, slots):
         inner = nnx.state(module, nnx.Param)
         flat, treedef = jax.tree.flatten(inner)
-        taps = [
-            leaf if spec is None else _tap(leaf, slot, spec)
-            for leaf, slot, spec in zip(flat, slots, specs)
-        ]
+        taps = _tap_all(flat, slots, specs, buckets, average, axis_name)
         nnx.update(module, treedef.unflatten(taps))
         call = list(args)
         call[argnums] = module
@@ -258,4 +334,4 @@ def _module_value_and_grad(
     value, (grads, tickets) = nnx.value_and_grad(
         tapped, argnums=(0, 1), has_aux=has_aux
     )(module, slots)
-    return value, _collect(grads, tickets, specs, average, axis_name)
+    return value, _collect(grads, tickets, buckets, average, axis_name)

@@ -164,7 +164,11 @@ def check_overlap():
     reference = jax.jit(
         lambda p, x: jaxps.push_pull(jax.grad(_mlp_loss)(p, x), name="ref")
     )
-    overlapped = jax.jit(jaxps.value_and_grad(_mlp_loss, name="vg"))
+    # one leaf a bucket: each push starts as its layer's backward ends
+    overlapped = jax.jit(
+        jaxps.value_and_grad(_mlp_loss, name="vg", bucket_bytes=1)
+    )
+    bucketed = jax.jit(jaxps.value_and_grad(_mlp_loss, name="vgb"))
     starts, start = [], _host.start
 
     def timed(*args):
@@ -182,6 +186,9 @@ def check_overlap():
         _host.start = start
     want = reference(params, x)
     for got, ref in zip(grads, want):
+        np.testing.assert_array_equal(got, ref)
+    # default buckets of 1 MiB: 4 layers of 256 KiB each, then 2
+    for got, ref in zip(bucketed(params, x)[1], want):
         np.testing.assert_array_equal(got, ref)
     np.testing.assert_allclose(value, _mlp_loss(params, x), rtol=1e-6)
     assert len(starts) == len(params), starts
