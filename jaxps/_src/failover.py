@@ -72,8 +72,9 @@ class _Attempt:
     def fail(self, err: BaseException) -> None:
         self.owner._failed(self.chunk, err, self.generation)
 
+    @property
     def failed(self) -> bool:
-        return self.chunk.handle.failed()
+        return self.chunk.handle.failed
 
 
 class RecoveringTransport(Transport):

@@ -69,9 +69,21 @@ class Handle:
     """The result of `Runtime.push_pull_async`; `wait()` returns the sums."""
 
     def __init__(
-        self, names, outs, shapes, pending, release, timeout, timeline=None
+        self,
+        names,
+        outs,
+        shapes,
+        pending,
+        release,
+        timeout,
+        timeline=None,
+        checked=False,
     ):
         self.names = names
+        # while the call check is out, a chunk's error waits for it: a
+        # mismatch makes pieces fail too (e.g. another length), and the
+        # check's error is the one that names it (`check_ended`)
+        self._checking = checked
         self._timeline = timeline
         self._created = _timeline.now()
         self._outs = outs
@@ -109,11 +121,26 @@ class Handle:
             self._finish()
 
     def fail(self, err: BaseException) -> None:
-        """One chunk failed with `err`; `wait` raises the first error."""
+        """One chunk failed with `err`; `wait` raises the first error (or
+        the call check's, see `check_ended`)."""
         with self._lock:
             if self._error is None:
                 self._error = err
+            if self._checking:
+                return  # the check ends within its own deadline
         self._finish()
+
+    def check_ended(self, err: BaseException | None) -> None:
+        """The call check came back (`err` None) or failed with `err`,
+        which then wins over any chunk's error."""
+        with self._lock:
+            self._checking = False
+            if err is not None:
+                self._error = err
+            self._pending -= 1
+            end = self._error is not None or self._pending == 0
+        if end:
+            self._finish()
 
     @property
     def failed(self) -> bool:
@@ -149,6 +176,25 @@ _CHECK_PAYLOAD.flags.writeable = False
 #: workers' arrays; ``"async"`` servers (``jaxps-server --async``) hold
 #: parameters, add each push into them and answer with the latest.
 MODES = ("sync", "async")
+
+
+class _CheckOf:
+    """Stands in for a handle as its call check's chunk's handle."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: Handle):
+        self.handle = handle
+
+    def chunk_done(self) -> None:
+        self.handle.check_ended(None)
+
+    def fail(self, err: BaseException) -> None:
+        self.handle.check_ended(err)
+
+    @property
+    def failed(self) -> bool:
+        return False  # always sent: the handle waits for it
 
 
 class Runtime:
@@ -405,6 +451,7 @@ class Runtime:
             lambda: self._end(names, handle),
             timeout,
             self.timeline,
+            checked=check is not None,
         )
         with self._lock:
             self._live.add(handle)
@@ -447,7 +494,7 @@ class Runtime:
         )
         server = check.server(len(self._transports) // self._channels)
         chunk = Chunk(
-            handle,
+            _CheckOf(handle),
             _CHECK_PAYLOAD,
             np.empty_like(_CHECK_PAYLOAD),
             header,
