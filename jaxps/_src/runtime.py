@@ -632,7 +632,12 @@ class Runtime:
     def close(self) -> None:
         """Stops the sender threads and closes the channels."""
         if self._sender is not None:
-            self._sender.stop()
+            with self._lock:
+                waited_for = bool(self._live)
+            # with every push_pull ended, a sender thread still busy waits
+            # for a round nobody wants (e.g. the pieces of a mismatched
+            # call): closing the channels ends its wait
+            self._sender.stop(5.0 if waited_for else 0.5)
             self._sender = None
         for transport in self._transports:
             transport.close()
