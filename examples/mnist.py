@@ -205,6 +205,7 @@ def main(argv=None) -> float:
         flush=True,
     )
     print(f"test accuracy: {accuracy:.3f}", flush=True)
+    print(f"params checksum after training: {checksum(model)}", flush=True)
     jaxps.shutdown()
     if accuracy < args.min_accuracy:
         raise SystemExit(1)

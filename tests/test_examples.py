@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import random
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -13,10 +17,20 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _launch(
-    script: str, *args: str, launch_flags: tuple[str, ...] = ()
-) -> subprocess.CompletedProcess:
-    """Runs ``examples/<script> ARGS`` on 2 workers and 2 servers."""
+#: The digits runs: synchronous, deterministic servers (bitwise sums).
+MNIST = ("mnist.py", "--epochs", "8", "--min-accuracy", "0.95")
+DETERMINISTIC = ("--deterministic",)
+CHECKSUM = r"params checksum after training: (\w+)"
+TRAINED = r"trained 8 epochs on 2 worker\(s\) in ([\d.]+) s"
+#: Chunks small enough (the model is 150 kB) that both servers hold some.
+SPREAD = {"JAXPS_PARTITION_BYTES": "32768"}
+
+
+def _argv(
+    script: str, args, launch_flags, settings=None
+) -> tuple[list[str], dict]:
+    """The launcher's argv for ``examples/<script> ARGS`` on 2 workers and
+    2 servers, and its environment (with the JAXPS_* `settings`)."""
     # The examples run as a user would: no JAXPS_* settings of the test
     # process and no fake devices from conftest's XLA_FLAGS.
     env = {
@@ -24,6 +38,7 @@ def _launch(
         for k, v in os.environ.items()
         if not k.startswith("JAXPS_") and k != "XLA_FLAGS"
     }
+    env.update(settings or {})
     argv = [
         sys.executable,
         "-m",
@@ -38,6 +53,17 @@ def _launch(
         f"examples/{script}",
         *args,
     ]
+    return argv, env
+
+
+def _launch(
+    script: str,
+    *args: str,
+    launch_flags: tuple[str, ...] = (),
+    settings: dict | None = None,
+) -> subprocess.CompletedProcess:
+    """Runs ``examples/<script> ARGS`` on 2 workers and 2 servers."""
+    argv, env = _argv(script, args, launch_flags, settings)
     proc = subprocess.run(
         argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280
     )
@@ -53,10 +79,16 @@ def _per_worker(pattern: str, stdout: str) -> dict[int, str]:
     return {int(rank): value for rank, value in found}
 
 
+@pytest.fixture(scope="module")
+def undisturbed_mnist() -> subprocess.CompletedProcess:
+    """A deterministic 2-worker digits run without faults."""
+    return _launch(*MNIST, launch_flags=DETERMINISTIC, settings=SPREAD)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_mnist_two_workers_reach_accuracy():
-    proc = _launch("mnist.py", "--epochs", "8", "--min-accuracy", "0.95")
+def test_mnist_two_workers_reach_accuracy(undisturbed_mnist):
+    proc = undisturbed_mnist
     sums = _per_worker(r"params checksum after broadcast: (\w+)", proc.stdout)
     assert sorted(sums) == [0, 1], proc.stdout
     assert sums[0] == sums[1], proc.stdout
@@ -65,6 +97,8 @@ def test_mnist_two_workers_reach_accuracy():
     # Synchronized training: both workers end with the same model.
     assert accuracy[0] == accuracy[1], proc.stdout
     assert float(accuracy[0]) >= 0.95, proc.stdout
+    final = _per_worker(CHECKSUM, proc.stdout)
+    assert sorted(final) == [0, 1] and final[0] == final[1], proc.stdout
 
 
 @pytest.mark.slow
@@ -123,3 +157,99 @@ def test_benchmark_two_workers(model):
         assert before0 != before1 and after0 == after1, proc.stdout
     else:
         assert stats == {}, proc.stdout
+
+
+def _servers_of(launcher: int) -> list[int]:
+    """The pids of the servers the launcher `launcher` started."""
+    path = f"/proc/{launcher}/task/{launcher}/children"
+    with open(path) as f:
+        children = [int(pid) for pid in f.read().split()]
+    servers = []
+    for pid in children:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"--round-timeout" in f.read():  # a server's argv
+                    servers.append(pid)
+        except FileNotFoundError:
+            pass
+    return servers
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_mnist_server_killed_mid_run_ends_as_undisturbed(
+    undisturbed_mnist, tmp_path
+):
+    # kill -9 one of the 2 servers at a random point of training; the
+    # launcher starts it again and the workers fail over: same accuracy and,
+    # deterministic, the same final parameters bit for bit
+    seconds = float(_per_worker(TRAINED, undisturbed_mnist.stdout)[0])
+    rng = random.Random()
+    delay = rng.uniform(0.1, 0.6) * seconds
+    victim = rng.randrange(2)
+    argv, env = _argv(
+        MNIST[0],
+        MNIST[1:],
+        (*DETERMINISTIC, "--restart-servers", "1"),
+        SPREAD,
+    )
+    errors = tmp_path / "stderr"
+    with open(errors, "w") as err:
+        proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+    stdout: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            stdout.append(line)
+            if line.startswith("[worker 0] params checksum after broadcast"):
+                started.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert started.wait(150), "".join(stdout)
+        time.sleep(delay)
+        pids = _servers_of(proc.pid)
+        assert len(pids) == 2, pids
+        os.kill(sorted(pids)[victim], signal.SIGKILL)
+        killed_at = time.monotonic()
+        proc.wait(timeout=200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(10)
+    proc.stdout.close()
+    stderr = errors.read_text()
+    out = "".join(stdout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{stderr}"
+    assert f"server {victim} ended (SIGKILL); starting it again" in stderr
+    # both workers failed over mid-training (not after it)
+    came_back = re.findall(
+        # (rank 0's may follow its progress bar on the line)
+        r"^\[worker (\d)\] .*jaxps: server \S+ came back .* ([\d.]+) s "
+        r"after the failure$",
+        stderr,
+        re.M,
+    )
+    said = [line for line in stderr.splitlines() if "jaxps" in line]
+    assert sorted({rank for rank, _ in came_back}) == ["0", "1"], said
+    for pattern in (r"test accuracy: ([\d.]+)", CHECKSUM):
+        want = _per_worker(pattern, undisturbed_mnist.stdout)
+        got = _per_worker(pattern, out)
+        assert got == want and sorted(got) == [0, 1], (pattern, got, want)
+    slower = float(_per_worker(TRAINED, out)[0]) - seconds
+    print(
+        f"server {victim} killed {delay:.2f} s into training; workers went "
+        f"on {max(float(t) for _, t in came_back):.2f} s after they saw the "
+        f"failure; training took {slower:.1f} s longer than undisturbed (run "
+        f"ended {time.monotonic() - killed_at:.1f} s after the kill)"
+    )
