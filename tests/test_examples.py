@@ -18,10 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 #: The digits runs: synchronous, deterministic servers (bitwise sums).
-MNIST = ("mnist.py", "--epochs", "8", "--min-accuracy", "0.95")
+MNIST = ("mnist.py", "--epochs", "5", "--min-accuracy", "0.95")
 DETERMINISTIC = ("--deterministic",)
 CHECKSUM = r"params checksum after training: (\w+)"
-TRAINED = r"trained 8 epochs on 2 worker\(s\) in ([\d.]+) s"
+TRAINED = r"trained 5 epochs on 2 worker\(s\) in ([\d.]+) s"
 #: Chunks small enough (the model is 150 kB) that both servers hold some.
 SPREAD = {"JAXPS_PARTITION_BYTES": "32768"}
 
