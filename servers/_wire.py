@@ -10,6 +10,7 @@ gRPC-neutral form of a refused request.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import hmac
 import mmap
@@ -17,7 +18,6 @@ import socket
 import struct
 import zlib
 
-import ml_dtypes
 import numpy as np
 
 from . import jaxps_pb2 as pb
@@ -77,42 +77,65 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-_BY_CODE = {
-    pb.FLOAT32: np.dtype(np.float32),
-    pb.FLOAT64: np.dtype(np.float64),
-    pb.FLOAT16: np.dtype(np.float16),
-    pb.BFLOAT16: np.dtype(ml_dtypes.bfloat16),
-    pb.INT32: np.dtype(np.int32),
-    pb.INT64: np.dtype(np.int64),
+_NAMES = {
+    pb.FLOAT32: "float32",
+    pb.FLOAT64: "float64",
+    pb.FLOAT16: "float16",
+    pb.BFLOAT16: "bfloat16",
+    pb.INT32: "int32",
+    pb.INT64: "int64",
 }
-_BY_DTYPE = {dt: code for code, dt in _BY_CODE.items()}
+#: The names of the dtypes jaxps sends.
+SUPPORTED_DTYPES = tuple(_NAMES.values())
 
-#: The numpy dtypes jaxps sends, and their names.
-DTYPES = tuple(_BY_CODE.values())
-SUPPORTED_DTYPES = tuple(str(d) for d in DTYPES)
+
+#: Every dtype but bfloat16, whose numpy type comes from ml_dtypes: that
+#: costs a second to import, so a server never sent bfloat16 starts
+#: without it (the workers have it through jax).
+_PLAIN = {
+    code: np.dtype(name) for code, name in _NAMES.items() if name != "bfloat16"
+}
+
+
+@functools.cache
+def _bfloat16() -> np.dtype:
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def supported_dtypes() -> tuple[np.dtype, ...]:
+    """The numpy dtypes jaxps sends."""
+    return tuple(code_dtype(code) for code in _NAMES)
 
 
 def dtype_code(dtype) -> int:
     """Returns the wire code of a numpy dtype, or raises ``TypeError``."""
-    dt = np.dtype(dtype)
-    try:
-        return _BY_DTYPE[dt.newbyteorder("=")]
-    except KeyError:
-        raise TypeError(
-            f"jaxps cannot send dtype {dt}; supported dtypes are "
-            f"{', '.join(SUPPORTED_DTYPES)}."
-        ) from None
+    dt = np.dtype(dtype).newbyteorder("=")
+    for code, plain in _PLAIN.items():
+        if dt == plain:
+            return code
+    if dt.name == "bfloat16" and dt == _bfloat16():
+        return pb.BFLOAT16
+    raise TypeError(
+        f"jaxps cannot send dtype {dt}; supported dtypes are "
+        f"{', '.join(SUPPORTED_DTYPES)}."
+    )
 
 
 def code_dtype(code: int) -> np.dtype:
     """Returns the numpy dtype of a wire code, or raises ``KeyError``."""
-    return _BY_CODE[code]
+    dt = _PLAIN.get(code)
+    if dt is not None:
+        return dt
+    if code == pb.BFLOAT16:
+        return _bfloat16()
+    raise KeyError(code)
 
 
 def dtype_name(code: int) -> str:
     """Names a wire dtype code for messages, also when it is unknown."""
-    dt = _BY_CODE.get(code)
-    return str(dt) if dt is not None else f"unknown dtype code {code}"
+    return _NAMES.get(code, f"unknown dtype code {code}")
 
 
 def make_key(tensor_id: int, chunk: int) -> int:

@@ -52,3 +52,15 @@ def test_server_exports_still_import():
         "from jaxps.servers import ServerOptions, Store, StoreError, main"
     )
     assert "jaxps.servers._server" in loaded
+
+
+def test_server_starts_without_ml_dtypes():
+    # ml_dtypes (bfloat16) takes about a second to import; a server loads it
+    # only when a bfloat16 push arrives, so every server start is that much
+    # faster (tests/servers/test_sum.py and test_runtime.py sum bfloat16).
+    loaded = _loaded_after("import jaxps.servers._cli")
+    assert "ml_dtypes" not in loaded
+    loaded = _loaded_after(
+        "from jaxps.servers import _wire; _wire.code_dtype(_wire.pb.BFLOAT16)"
+    )
+    assert "ml_dtypes" in loaded

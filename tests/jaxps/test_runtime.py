@@ -46,7 +46,7 @@ def contribution(rank, size, dtype, seed=0):
     return rng.integers(-100, 100, size=size).astype(dtype)
 
 
-DTYPES = _wire.DTYPES
+DTYPES = _wire.supported_dtypes()
 
 
 @pytest.mark.timeout(120)

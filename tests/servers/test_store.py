@@ -37,7 +37,7 @@ def pull(store, key, rnd, rank, like):
     return None if result is None else np.frombuffer(result, like.dtype)
 
 
-DTYPES = _wire.DTYPES
+DTYPES = _wire.supported_dtypes()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
