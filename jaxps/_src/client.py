@@ -18,10 +18,12 @@ from jaxps.servers import jaxps_pb2 as pb
 #: server, so retrying it is safe.
 MAX_BACKOFF = 0.5
 #: How long after its first UNAVAILABLE a call is retried (at most until its
-#: deadline, and at most the client's timeout): long enough for a server
-#: restart, short enough to report a dead server soon. A pull that waits for
-#: its round has a longer deadline than the timeout, but a dead server is
-#: still reported within the timeout.
+#: deadline, and at most half the client's timeout): long enough for a server
+#: restart, short enough to report a dead server soon. Half: the other
+#: servers time out this rank's pushes stuck behind the dead server's chunks
+#: (credit) after the timeout, and the dead server must be named first. A
+#: pull that waits for its round has a longer deadline than the timeout, but
+#: a dead server is still reported within half of it.
 RETRY_WINDOW = 10.0
 #: Longest wait for the answer to a Bye (the server may be gone).
 BYE_TIMEOUT = 1.0
@@ -360,7 +362,7 @@ class ServerClient:
                 )
             except grpc.RpcError as err:
                 if attempt == 1:
-                    window = min(RETRY_WINDOW, self.timeout)
+                    window = min(RETRY_WINDOW, self.timeout / 2)
                     give_up = min(deadline, time.monotonic() + window)
                 pause = min(MAX_BACKOFF, 0.02 * 2**attempt)
                 pause *= random.uniform(0.5, 1.0)
