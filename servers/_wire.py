@@ -95,6 +95,7 @@ SUPPORTED_DTYPES = tuple(_NAMES.values())
 _PLAIN = {
     code: np.dtype(name) for code, name in _NAMES.items() if name != "bfloat16"
 }
+_PLAIN_CODES = {dt: code for code, dt in _PLAIN.items()}
 
 
 @functools.cache
@@ -112,9 +113,9 @@ def supported_dtypes() -> tuple[np.dtype, ...]:
 def dtype_code(dtype) -> int:
     """Returns the wire code of a numpy dtype, or raises ``TypeError``."""
     dt = np.dtype(dtype).newbyteorder("=")
-    for code, plain in _PLAIN.items():
-        if dt == plain:
-            return code
+    code = _PLAIN_CODES.get(dt)
+    if code is not None:
+        return code
     if dt.name == "bfloat16" and dt == _bfloat16():
         return pb.BFLOAT16
     raise TypeError(
