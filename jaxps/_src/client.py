@@ -19,11 +19,12 @@ from jaxps.servers import jaxps_pb2 as pb
 MAX_BACKOFF = 0.5
 #: How long after its first UNAVAILABLE a call is retried (at most until its
 #: deadline, and at most half the client's timeout): long enough for a server
-#: restart, short enough to report a dead server soon. Half: the other
-#: servers time out this rank's pushes stuck behind the dead server's chunks
-#: (credit) after the timeout, and the dead server must be named first. A
-#: pull that waits for its round has a longer deadline than the timeout, but
-#: a dead server is still reported within half of it.
+#: restart, short enough to report a dead server soon. Half: while this
+#: rank retries, the other servers time out (after the timeout) the rounds
+#: it has not sent yet, and the other ranks would hear "waiting for rank r"
+#: rather than the dead server's name. A pull that waits for its round has
+#: a longer deadline than the timeout, but a dead server is still reported
+#: within half of it.
 RETRY_WINDOW = 10.0
 #: Longest wait for the answer to a Bye (the server may be gone).
 BYE_TIMEOUT = 1.0
