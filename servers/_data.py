@@ -101,7 +101,7 @@ class DataChannel:
 
     Args:
       core: the server's gRPC-free summation core (``check_header``,
-        ``check_rank``, ``push``, ``pull``, ``incarnation``).
+        ``push``, ``pull``, ``incarnation``).
       host: interface to bind (the gRPC server's).
       loop: the event loop `core` runs on.
       token: the job's shared token (None: the mac uses an empty key).

@@ -30,7 +30,7 @@ import secrets
 import time
 from collections.abc import Callable
 
-from . import _join, _shm, _wire
+from . import _join, _shm, _store, _wire
 from ._store import PushPullStore
 
 log = logging.getLogger("jaxps.server")
@@ -60,11 +60,20 @@ class Member:
 
 class Session:
     """One incarnation of a job: its store, segments, members and the
-    ranks that have joined (`jaxps.join`)."""
+    ranks that have joined (`jaxps.join`); `generation` is its elastic
+    membership generation (0: not elastic)."""
 
-    def __init__(self, sid: str, job_id: str, store: PushPullStore, now):
+    def __init__(
+        self,
+        sid: str,
+        job_id: str,
+        store: PushPullStore,
+        now,
+        generation: int = 0,
+    ):
         self.id = sid
         self.job_id = job_id
+        self.generation = generation
         self.store = store
         self.segments = _shm.Segments(getattr(store, "budget", None))
         self.members: dict[int, Member] = {}
@@ -74,7 +83,16 @@ class Session:
         #: when a newer session of the job started (None: it is current)
         self.superseded: float | None = None
 
+    @property
+    def num_workers(self) -> int:
+        return self.store.num_workers
+
     def label(self) -> str:
+        if self.generation:
+            return (
+                f"job {self.job_id!r} incarnation {self.id} (generation "
+                f"{self.generation})"
+            )
         return f"job {self.job_id!r} incarnation {self.id}"
 
 
@@ -82,8 +100,10 @@ class Jobs:
     """The sessions of every job a server serves.
 
     Args:
-      num_workers: ranks per job.
-      make_store: returns a new, empty store for a session.
+      num_workers: ranks per job (an elastic session's own come with its
+        Hello).
+      make_store: returns a new, empty store for a session of a number of
+        ranks.
       job_id: the only job served (``--job-id``); None serves any job.
       round_timeout: the stores' round timeout (a superseded session is
         freed once idle twice this long).
@@ -94,7 +114,7 @@ class Jobs:
     def __init__(
         self,
         num_workers: int,
-        make_store: Callable[[], PushPullStore],
+        make_store: Callable[[int], PushPullStore],
         *,
         job_id: str | None = None,
         round_timeout: float = 60.0,
@@ -141,6 +161,7 @@ class Jobs:
                 "init of the job replaced it) or the server restarted; say "
                 "Hello first.",
             )
+        _store.check_rank(rank, s.num_workers)
         if rank not in s.members:
             raise _wire.Rejected(
                 "FAILED_PRECONDITION",
@@ -159,27 +180,54 @@ class Jobs:
         init_id: str,
         timeout: float = 0.0,
         now: float | None = None,
+        *,
+        num_workers: int | None = None,
+        generation: int = 0,
     ) -> Session:
-        """The session of a checked Hello (see the module docstring)."""
+        """The session of a checked Hello (see the module docstring).
+
+        An elastic Hello (`generation` > 0) joins only a session of its
+        generation, which has `num_workers` ranks of its own.
+        """
         self.check_job(job_id)
         now = time.monotonic() if now is None else now
+        n = self.num_workers if num_workers is None else num_workers
         if sid:  # a reconnect: the session it was given
             s = self._sessions.get(sid)
             if s is None and sid not in self._ended:
                 # This server restarted: the workers bring their session
                 # back, and their pushes its rounds (failover).
-                s = self._start(job_id, now, sid)
+                s = self._start(job_id, now, n, generation, sid)
             if s is None or s.job_id != job_id:
                 self.get(job_id, sid, rank, now)  # raises: unknown
+            self._check_size(s, rank, n, generation)
             s.last_seen = now
             return self._join(s, rank, init_id, timeout)
         s = self._current.get(job_id)
-        if s is not None:
+        if s is not None and s.generation == generation:
             member = s.members.get(rank)
             if member is None or member.init_id == init_id:
+                self._check_size(s, rank, n, generation)
                 s.last_seen = now
                 return self._join(s, rank, init_id, timeout)
-        return self._join(self._start(job_id, now), rank, init_id, timeout)
+        if s is not None and generation and s.generation > generation:
+            raise _wire.Rejected(
+                "FAILED_PRECONDITION",
+                f"rank {rank} says Hello for generation {generation} of job "
+                f"{job_id!r}, but {s.label()} is newer: rendezvous again.",
+            )
+        s = self._start(job_id, now, n, generation)
+        return self._join(s, rank, init_id, timeout)
+
+    @staticmethod
+    def _check_size(s: Session, rank: int, n: int, generation: int) -> None:
+        if n != s.num_workers or generation != s.generation:
+            raise _wire.Rejected(
+                "FAILED_PRECONDITION",
+                f"rank {rank} says num_workers={n} generation {generation}, "
+                f"but {s.label()} has num_workers={s.num_workers} generation "
+                f"{s.generation}.",
+            )
 
     def _join(self, s: Session, rank, init_id, timeout) -> Session:
         member = s.members.get(rank)
@@ -194,7 +242,12 @@ class Jobs:
         return s
 
     def _start(
-        self, job_id: str, now: float, sid: str | None = None
+        self,
+        job_id: str,
+        now: float,
+        num_workers: int,
+        generation: int = 0,
+        sid: str | None = None,
     ) -> Session:
         if len(self._sessions) >= self.max_sessions:
             self.expire(now)
@@ -209,7 +262,11 @@ class Jobs:
         if old is not None:
             old.superseded = now
         s = Session(
-            sid or secrets.token_hex(8), job_id, self._make_store(), now
+            sid or secrets.token_hex(8),
+            job_id,
+            self._make_store(num_workers),
+            now,
+            generation,
         )
         self._sessions[s.id] = s
         self._current[job_id] = s
@@ -257,7 +314,7 @@ class Jobs:
             failed += s.store.expire(now)
             if idle >= self.idle_timeout and s.store.num_keys:
                 self._retire(s.store)
-                s.store = self._make_store()
+                s.store = self._make_store(s.num_workers)
                 s.store.join(frozenset(s.joins.joined))
                 _trim_heap()
                 log.info(

@@ -96,6 +96,10 @@ class SummationServicer:
                 self.Join,
                 response_serializer=pb.JoinReply.SerializeToString,
             ),
+            "Rendezvous": grpc.unary_unary_rpc_method_handler(
+                self.Rendezvous,
+                response_serializer=pb.RendezvousReply.SerializeToString,
+            ),
         }
         return grpc.method_handlers_generic_handler(_wire.SERVICE_NAME, methods)
 
@@ -118,6 +122,7 @@ class SummationServicer:
                 request.num_workers,
                 init_id=request.init_id,
                 timeout=request.timeout,
+                generation=request.generation,
             )
         except _wire.Rejected as err:
             await self._abort(context, err)
@@ -230,3 +235,21 @@ class SummationServicer:
         except _wire.Rejected as err:
             await self._abort(context, err)
         return pb.JoinReply(incarnation=core.incarnation, last_rank=last)
+
+    async def Rendezvous(self, request: bytes, context):
+        """Elastic membership (`jaxps.elastic`): answered once the next
+        generation closes, or at once for a probe."""
+        core = self.summation
+        try:
+            request = _decode(pb.RendezvousRequest, request)
+            generation, members, waiting = await core.rendezvous(
+                request, deadline=_deadline(context)
+            )
+        except _wire.Rejected as err:
+            await self._abort(context, err)
+        return pb.RendezvousReply(
+            incarnation=core.incarnation,
+            generation=generation,
+            members=members,
+            waiting=waiting,
+        )

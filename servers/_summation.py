@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import secrets
 import time
 
 import numpy as np
 
-from . import _async_store, _codec, _engine, _jobs, _store, _wire
+from . import _async_store, _codec, _engine, _jobs, _rendezvous, _store, _wire
 
 log = logging.getLogger("jaxps.server")
 
@@ -96,13 +97,14 @@ class Summation:
         # the PullReplies of a sum put into the puller's shared-memory
         # slot, by number of contributors
         self._in_slot_replies: dict[int, bytes] = {}
+        # job id -> elastic membership (`_rendezvous`), oldest first
+        self._rendezvous: dict[str, _rendezvous.Rendezvous] = {}
+        self._probed: dict[str, float] = {}  # job id -> probe good until
 
-    def _new_store(self) -> _store.PushPullStore:
+    def _new_store(self, num_workers: int) -> _store.PushPullStore:
         if self.async_mode:
-            return _async_store.AsyncStore(
-                self._num_workers, **self._store_args
-            )
-        return _store.Store(self._num_workers, **self._store_args)
+            return _async_store.AsyncStore(num_workers, **self._store_args)
+        return _store.Store(num_workers, **self._store_args)
 
     @property
     def num_workers(self) -> int:
@@ -140,15 +142,10 @@ class Summation:
                 "install the same jaxps on workers and servers.",
             )
 
-    def check_rank(self, rank: int) -> None:
-        """Checks that `rank` is in ``[0, num_workers)``."""
-        _store.check_rank(rank, self._num_workers)
-
     def check_header(self, h) -> _jobs.Session:
         """Checks the protocol version, job, rank and session of `h`;
         returns the session."""
         self.check_version(h.version)
-        self.check_rank(h.rank)
         return self.jobs.get(h.job_id, h.session, h.rank)
 
     def hello(
@@ -158,24 +155,117 @@ class Summation:
         *,
         init_id: str = "",
         timeout: float = 0.0,
+        generation: int = 0,
     ) -> _jobs.Session:
         """Checks a worker's hello (header, rank and its `num_workers`);
         returns the session it joins (``h.session``, if not empty, is the
         one it was given before). Only a hello that passes every check
-        starts or joins a session."""
+        starts or joins a session.
+
+        An elastic hello (`generation` > 0, see `rendezvous`) brings the
+        session's own `num_workers`; any other must match the server's.
+        """
         self.check_version(h.version)
         self.jobs.check_job(h.job_id)
-        self.check_rank(h.rank)
-        if num_workers != self._num_workers:
+        if generation:
+            if self.async_mode:
+                raise _wire.Rejected(
+                    "FAILED_PRECONDITION",
+                    "elastic workers need synchronous servers: with --async "
+                    "the servers hold the parameters of a fixed set of ranks.",
+                )
+            if not 1 <= num_workers <= _rendezvous.MAX_WAITING:
+                raise _wire.Rejected(
+                    "INVALID_ARGUMENT",
+                    f"num_workers must be in [1, {_rendezvous.MAX_WAITING}]"
+                    f", got {num_workers} (rank {h.rank}, generation "
+                    f"{generation}).",
+                )
+        elif num_workers != self._num_workers:
             raise _wire.Rejected(
                 "FAILED_PRECONDITION",
                 f"wrong num_workers: worker {h.rank} says "
                 f"num_workers={num_workers}, server was started "
                 f"with --num-workers {self._num_workers}.",
             )
+        _store.check_rank(h.rank, num_workers)
         return self.jobs.hello(
-            h.job_id, h.rank, h.session, init_id or h.session, timeout
+            h.job_id,
+            h.rank,
+            h.session,
+            init_id or h.session,
+            timeout,
+            num_workers=num_workers,
+            generation=generation,
         )
+
+    async def rendezvous(self, request, *, deadline: float):
+        """An elastic worker's rendezvous (see `_rendezvous`): returns the
+        generation that closed and its members, or with ``probe`` how many
+        workers wait for the next one (then generation and members are
+        the last)."""
+        self.check_version(request.version)
+        self.jobs.check_job(request.job_id)
+        r = self._rendezvous.get(request.job_id)
+        if r is None:
+            if len(self._rendezvous) >= _jobs.MAX_SESSIONS:
+                idle = [j for j, x in self._rendezvous.items() if not x.waiting]
+                if not idle:
+                    raise _wire.Rejected(
+                        "RESOURCE_EXHAUSTED",
+                        f"{len(self._rendezvous)} elastic jobs wait in a "
+                        "rendezvous here, the most this server keeps.",
+                    )
+                del self._rendezvous[idle[0]]
+                self._probed.pop(idle[0], None)
+            job_id = request.job_id
+            r = self._rendezvous[job_id] = _rendezvous.Rendezvous(
+                job_id, lambda: self._running(job_id)
+            )
+        now = time.monotonic()
+        if request.probe:
+            self._probed[request.job_id] = now + request.timeout
+            return r.generation, r.members, r.waiting
+        for name in ("settle", "timeout"):
+            value = getattr(request, name)
+            if not 0 <= value < math.inf:  # also NaN
+                raise _wire.Rejected(
+                    "INVALID_ARGUMENT",
+                    f"rendezvous {name} must be finite and >= 0, got {value}.",
+                )
+        generation, members = await r.arrive(
+            request.member,
+            request.generation,
+            expected=request.expected,
+            settle=request.settle,
+            hint=request.hint,
+            deadline=min(deadline, now + request.timeout),
+        )
+        log.info(
+            "job %r generation %d: %d worker(s)",
+            request.job_id,
+            generation,
+            len(members),
+        )
+        return generation, members, 0
+
+    def _running(self, job_id: str) -> bool:
+        """Whether elastic job `job_id` runs: a session of its last
+        generation is live (not every rank said Bye) and was used, or
+        probed by rank 0, within its workers' timeout."""
+        generation = self._rendezvous[job_id].generation
+        now = time.monotonic()
+        for s in self.jobs:
+            if s.job_id == job_id and s.generation == generation > 0:
+                timeout = max(
+                    (m.timeout for m in s.members.values()), default=0
+                )
+                timeout = timeout or self.jobs.round_timeout
+                if now - s.last_seen < timeout:
+                    return True
+                if self._probed.get(job_id, 0.0) > now:
+                    return True
+        return False
 
     def bye(self, h) -> None:
         """Rank ``h.rank`` leaves its session (freed once all have)."""

@@ -51,7 +51,7 @@ class Header(_message.Message):
     def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., key: _Optional[int] = ..., round: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., name: _Optional[str] = ..., session: _Optional[str] = ..., signature: _Optional[int] = ..., description: _Optional[str] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
-    __slots__ = ("version", "job_id", "rank", "num_workers", "session", "init_id", "timeout")
+    __slots__ = ("version", "job_id", "rank", "num_workers", "session", "init_id", "timeout", "generation")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class HelloRequest(_message.Message):
     SESSION_FIELD_NUMBER: _ClassVar[int]
     INIT_ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     version: int
     job_id: str
     rank: int
@@ -66,7 +67,8 @@ class HelloRequest(_message.Message):
     session: str
     init_id: str
     timeout: float
-    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., session: _Optional[str] = ..., init_id: _Optional[str] = ..., timeout: _Optional[float] = ...) -> None: ...
+    generation: int
+    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., num_workers: _Optional[int] = ..., session: _Optional[str] = ..., init_id: _Optional[str] = ..., timeout: _Optional[float] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class HelloReply(_message.Message):
     __slots__ = ("version", "incarnation", "num_workers", "job_id", "async_mode", "data_port", "data_nonce", "session", "shm_socket")
@@ -195,3 +197,37 @@ class JoinReply(_message.Message):
     incarnation: str
     last_rank: int
     def __init__(self, incarnation: _Optional[str] = ..., last_rank: _Optional[int] = ...) -> None: ...
+
+class RendezvousRequest(_message.Message):
+    __slots__ = ("version", "job_id", "member", "generation", "expected", "settle", "timeout", "hint", "probe")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    SETTLE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    HINT_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    job_id: str
+    member: str
+    generation: int
+    expected: int
+    settle: float
+    timeout: float
+    hint: int
+    probe: bool
+    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., member: _Optional[str] = ..., generation: _Optional[int] = ..., expected: _Optional[int] = ..., settle: _Optional[float] = ..., timeout: _Optional[float] = ..., hint: _Optional[int] = ..., probe: _Optional[bool] = ...) -> None: ...
+
+class RendezvousReply(_message.Message):
+    __slots__ = ("incarnation", "generation", "members", "waiting")
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    incarnation: str
+    generation: int
+    members: _containers.RepeatedScalarFieldContainer[str]
+    waiting: int
+    def __init__(self, incarnation: _Optional[str] = ..., generation: _Optional[int] = ..., members: _Optional[_Iterable[str]] = ..., waiting: _Optional[int] = ...) -> None: ...

@@ -131,7 +131,9 @@ def test_header_checks():
         with pytest.raises(_wire.Rejected, match="version mismatch"):
             core.check_header(header(0, x, job_id="a", version=1))
         with pytest.raises(_wire.Rejected, match="rank 2 out of range"):
-            core.check_rank(2)
+            core.hello(header(2, x, job_id="a"), 2)
+        with pytest.raises(_wire.Rejected, match="rank 2 out of range"):
+            core.check_header(header(2, x, job_id="a"))
         with pytest.raises(_wire.Rejected, match="wrong num_workers"):
             core.hello(header(0, x, job_id="a"), 3)
         with pytest.raises(_wire.Rejected, match="is unknown") as e:
