@@ -26,6 +26,7 @@ __version__ = "0.1.0"
 # `jaxps-launch`, which share this package, start without importing JAX.
 _LAZY = {
     "compression": "jaxps._src.compression",
+    "elastic": "jaxps.elastic",
     "AsyncDistributedOptimizer": "jaxps._src.optimizer",
     "AsyncState": "jaxps._src.optimizer",
     "DistributedOptimizer": "jaxps._src.optimizer",
@@ -77,6 +78,7 @@ __all__ = [
     "broadcast",
     "compression",
     "cpu_server_share",
+    "elastic",
     "errors",
     "init",
     "is_initialized",

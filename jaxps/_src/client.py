@@ -121,6 +121,11 @@ class ServerClient:
             request_serializer=pb.JoinRequest.SerializeToString,
             response_deserializer=pb.JoinReply.FromString,
         )
+        self._rendezvous = self._channel.unary_unary(
+            method + "Rendezvous",
+            request_serializer=pb.RendezvousRequest.SerializeToString,
+            response_deserializer=pb.RendezvousReply.FromString,
+        )
         self._header: pb.Header | None = None
         #: the job incarnation the server put this worker in (see Hello)
         self.session = ""
@@ -153,6 +158,7 @@ class ServerClient:
         rank: int,
         num_workers: int,
         init_id: str | None = None,
+        generation: int = 0,
     ) -> str:
         """Waits up to `timeout` for the server; checks job and size, and
         joins a job incarnation; returns the server's incarnation.
@@ -171,6 +177,7 @@ class ServerClient:
             session=self.session,
             init_id=init_id,
             timeout=self.timeout,
+            generation=generation,
         )
         try:
             reply = self._hello(
@@ -348,6 +355,18 @@ class ServerClient:
         reply = self._call(self._join, request, deadline, header, "join")
         self._check_incarnation(reply.incarnation, header)
         return reply.last_rank
+
+    def rendezvous(
+        self, request: pb.RendezvousRequest, timeout: float
+    ) -> pb.RendezvousReply:
+        """Elastic membership (see `jaxps.elastic`): waits up to `timeout`
+        for the next generation (a probe answers at once)."""
+        request.version = _wire.PROTOCOL_VERSION
+        request.timeout = timeout
+        deadline = time.monotonic() + timeout + JOIN_MARGIN
+        what = "probe" if request.probe else "rendezvous"
+        header = pb.Header(job_id=request.job_id, name=f"elastic {what}")
+        return self._call(self._rendezvous, request, deadline, header, what)
 
     def _call(self, method, request, deadline, header, what):
         """Calls `method`, retrying UNAVAILABLE until `deadline`."""

@@ -85,6 +85,9 @@ class Config:
         stopped answering must be back; the worker then connects again,
         pushes again what the server lost and goes on without losing a
         step (synchronous mode). 0 turns failover off.
+      generation: the elastic membership generation of this init, set by
+        `jaxps.elastic.run` (0: not elastic). The servers then take the job
+        incarnation's size from `num_workers`, not from ``--num-workers``.
     """
 
     servers: tuple[str, ...] = ()
@@ -103,6 +106,7 @@ class Config:
     shm_bytes: int = 64 * DEFAULT_PARTITION_BYTES
     transport: str = "auto"
     recovery_window: float = 10.0
+    generation: int = 0
 
     def __post_init__(self):
         _check_int("num_workers", self.num_workers, low=1)
@@ -112,6 +116,7 @@ class Config:
                 f"worker_rank must be in [0, num_workers={self.num_workers}). "
                 f"Got worker_rank={self.worker_rank}."
             )
+        _check_int("generation", self.generation, low=0)
         _check_int("partition_bytes", self.partition_bytes, low=8)
         _check_int("credit_bytes", self.credit_bytes, low=1)
         _check_int("shm_bytes", self.shm_bytes, low=0)

@@ -262,6 +262,7 @@ class Runtime:
                     rank=config.worker_rank,
                     num_workers=config.num_workers,
                     init_id=init_id,
+                    generation=config.generation,
                 )
             except BaseException:
                 client.close()
