@@ -10,16 +10,20 @@ Only members count toward ``expected``, and newcomers too while the job is
 not running (servers outlive jobs: the next run of a job starts afresh).
 Members of the last generation keep their order (rank 0 stays rank 0 if it
 is alive); newcomers follow by hint, then by arrival. A member whose reply
-was lost and who asks again gets the generation it is in.
+was lost and who asks again gets the generation it is in. A server that
+restarted adopts the generation its first arrival names.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 
 from . import _wire
+
+log = logging.getLogger("jaxps.server")
 
 #: Most workers waiting in one job's rendezvous.
 MAX_WAITING = 65536
@@ -103,12 +107,17 @@ class Rendezvous:
                 "INVALID_ARGUMENT", "rendezvous names no member."
             )
         if was > self.generation:
-            raise _wire.Rejected(
-                "FAILED_PRECONDITION",
-                f"member {member} of job {self.job_id!r} says it was in "
-                f"generation {was}, but the job's last is {self.generation} "
-                "(the server restarted and lost the membership?).",
-            )
+            if self.generation or self._arrived:
+                raise _wire.Rejected(
+                    "FAILED_PRECONDITION",
+                    f"member {member} of job {self.job_id!r} says it was in "
+                    f"generation {was}, but the job's last is "
+                    f"{self.generation}.",
+                )
+            # This server restarted and lost the membership: its members
+            # bring the generation back; their hints (ranks) order them.
+            log.info("job %r: generation %d adopted", self.job_id, was)
+            self.generation = was
         if was < self.generation and member in self.members:
             return self.generation, self.members  # a retry: its reply
         if member not in self._arrived and self.waiting >= MAX_WAITING:

@@ -193,6 +193,9 @@ class _Membership:
         self.join_timeout = join_timeout
         self.member = secrets.token_hex(8)
         self.generation = 0
+        #: this worker's rank: the launcher's, then that of its generation
+        #: (orders it among newcomers if the server lost the membership)
+        self.rank = config.worker_rank
         self.client = ServerClient(
             every[0],
             max_message_bytes=_wire.MESSAGE_OVERHEAD,
@@ -220,7 +223,7 @@ class _Membership:
                 generation=self.generation,
                 expected=expected,
                 settle=self.settle,
-                hint=self.config.worker_rank,
+                hint=self.rank,
             ),
             timeout,
         )
@@ -346,17 +349,18 @@ def run(
                     worker_rank=members.index(membership.member),
                     generation=generation,
                 )
+                membership.rank = config.worker_rank
                 state.init(config)
-                train_state.sync(0)
-                log.info(
-                    "generation %d: rank %d of %d (agreed in %.2f s)",
-                    generation,
-                    config.worker_rank,
-                    size,
-                    time.monotonic() - lost_at,
-                )
                 object.__setattr__(train_state, "_membership", membership)
                 try:
+                    train_state.sync(0)
+                    log.info(
+                        "generation %d: rank %d of %d (agreed in %.2f s)",
+                        generation,
+                        config.worker_rank,
+                        size,
+                        time.monotonic() - lost_at,
+                    )
                     return func(train_state, *args, **kwargs)
                 except _MembershipChanged as change:
                     expected = size + change.waiting

@@ -104,6 +104,13 @@ def test_a_retry_gets_its_generation_and_bad_arrivals_are_named():
         with pytest.raises(_wire.Rejected, match="generation 7") as e:
             await arrive(r, "a", was=7)
         assert e.value.code == "FAILED_PRECONDITION"
+        # a restarted server adopts the generation its members name
+        fresh = _rendezvous.Rendezvous("j", running(True))
+        got = await asyncio.gather(
+            arrive(fresh, "b", was=4, settle=0.1, hint=1),
+            arrive(fresh, "a", was=4, settle=0.1, hint=0),
+        )
+        assert got == [(5, ("a", "b"))] * 2
         with pytest.raises(_wire.Rejected, match="names no member"):
             await arrive(r, "")
         with pytest.raises(_wire.Rejected, match="1 worker.*arrived") as e:
