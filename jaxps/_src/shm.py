@@ -7,6 +7,11 @@ chunk's pull (which names the same slot) returns with the sum in it, and it
 is given back once the sum is copied out. Segments are added as needed up
 to a limit; past it `take` returns None and the chunk goes through gRPC, so
 a pool never waits (and never waits on other workers).
+
+Slots are carved out of a segment one at a time, when no slot given back is
+free: a segment of tiny slots (a small ``partition_bytes``) holds a million
+of them, and making all of them at once took seconds of CPU before the
+first push could go out, past the workers' timeout.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ log = logging.getLogger("jaxps")
 
 #: Segments are added (and attached) about this many bytes at a time.
 SEGMENT_BYTES = 16 * 1024 * 1024
+#: Slots start at multiples of this many bytes (a cache line), so that the
+#: elements of every dtype are aligned and two slots share no cache line.
+SLOT_ALIGN = 64
 
 
 def is_local(address: str) -> bool:
@@ -61,21 +69,27 @@ class SlotPool:
       attach: ``attach(fd, size) -> segment id`` (`ServerClient.attach`);
         raises if the server cannot map the sealed memfd `fd` (e.g. it is on
         another host).
-      slot_bytes: size of every slot (the largest chunk).
+      slot_bytes: the largest chunk; every slot has this size rounded up
+        to a multiple of `SLOT_ALIGN`.
       max_bytes: most memory of all segments together.
     """
 
     def __init__(self, attach, slot_bytes: int, max_bytes: int):
         self._attach = attach
-        self.slot_bytes = slot_bytes
-        self.slots_per_segment = max(1, SEGMENT_BYTES // slot_bytes)
-        self.segment_bytes = slot_bytes * self.slots_per_segment
+        self.slot_bytes = max(1, slot_bytes)
+        self._stride = -(-self.slot_bytes // SLOT_ALIGN) * SLOT_ALIGN
+        self.slots_per_segment = max(1, SEGMENT_BYTES // self._stride)
+        self.segment_bytes = self._stride * self.slots_per_segment
         self.max_segments = max_bytes // self.segment_bytes
         self._lock = threading.Lock()
-        self._free: list[Slot] = []
+        self._free: list[Slot] = []  # slots given back
         self._maps: list[mmap.mmap] = []
         self._views: list[memoryview] = []
         self.segment_ids: list[int] = []
+        # slots of the newest segment not carved out yet: they start at
+        # `_next` and there are `_left` of them
+        self._next = 0
+        self._left = 0
         self.enabled = self.max_segments > 0
 
     def take(self, nbytes: int) -> Slot | None:
@@ -83,9 +97,18 @@ class SlotPool:
         if not self.enabled or nbytes > self.slot_bytes:
             return None
         with self._lock:
-            if not self._free and len(self._maps) < self.max_segments:
+            if self._free:
+                return self._free.pop()
+            if not self._left and len(self._maps) < self.max_segments:
                 self._grow()
-            return self._free.pop() if self._free else None
+            if not self._left:
+                return None
+            offset = self._next
+            self._next += self._stride
+            self._left -= 1
+            ref = pb.ShmSlot(segment=self.segment_ids[-1], offset=offset)
+            memory = self._views[-1][offset : offset + self.slot_bytes]
+            return Slot(ref, memory)
 
     def give(self, slot: Slot) -> None:
         """Returns a slot whose push and pull are both finished."""
@@ -126,14 +149,9 @@ class SlotPool:
             os.close(fd)  # both sides hold their mapping
         self._maps.append(segment)
         self.segment_ids.append(segment_id)
-        memory = memoryview(segment)
-        self._views.append(memory)
-        for i in range(self.slots_per_segment):
-            offset = i * self.slot_bytes
-            ref = pb.ShmSlot(segment=segment_id, offset=offset)
-            self._free.append(
-                Slot(ref, memory[offset : offset + self.slot_bytes])
-            )
+        self._views.append(memoryview(segment))
+        self._next = 0
+        self._left = min(self.slots_per_segment, size // self._stride)
 
     def _disable(self, why: str) -> None:
         self.max_segments = len(self._maps)  # keep what works, stop growing
@@ -151,6 +169,7 @@ class SlotPool:
             for slot in self._free:
                 slot.memory.release()
             self._free.clear()
+            self._left = 0
             for view in self._views:
                 view.release()
             self._views.clear()

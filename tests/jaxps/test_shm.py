@@ -93,6 +93,57 @@ def test_server_on_another_host_falls_back_to_grpc(start_servers, monkeypatch):
         np.testing.assert_array_equal(got, 2 * x)
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("partition_bytes", [8, 16, 24])
+def test_tiny_partitions_through_shared_memory(start_servers, partition_bytes):
+    # A segment holds 16 MiB of slots: a million of 16 bytes. They were all
+    # made when the segment was added, which took each worker longer than
+    # its 11.5 s wait before its first push went out (and the servers,
+    # which never saw one, had nothing to answer).
+    servers = start_servers(2, 3)
+    x = np.arange(12, dtype=np.int32)
+
+    def fn(rt):
+        started = time.monotonic()
+        got = rt.push_pull("x", x * (rt.rank + 1), average=False)
+        pools = [t.pool for t in rt._transports]
+        return got, time.monotonic() - started, pools
+
+    for got, took, pools in run_workers(
+        3, servers, fn, partition_bytes=partition_bytes, timeout=3.0
+    ):
+        np.testing.assert_array_equal(got, 6 * x)
+        assert took < 3.0
+        assert all(p.segment_ids for p in pools)  # it went through shm
+
+
+def test_slots_are_carved_when_taken_and_aligned():
+    attached = []
+
+    def attach(fd, size):
+        attached.append(size)
+        return len(attached)
+
+    pool = shm.SlotPool(attach, 12, max_bytes=2 * shm.SEGMENT_BYTES)
+    assert pool.slots_per_segment == shm.SEGMENT_BYTES // shm.SLOT_ALIGN
+    slots = [pool.take(12) for _ in range(3)]
+    assert [s.ref.offset for s in slots] == [0, 64, 128]
+    assert all(len(s.memory) == 12 for s in slots)
+    assert attached == [shm.SEGMENT_BYTES] and not pool._free
+    for s in slots:  # the elements of every dtype are aligned
+        assert s.array(np.float64, 1).flags.aligned
+    assert pool.take(13) is None  # larger than a slot
+    pool.give(slots[1])
+    assert pool.take(4) is slots[1]  # a slot given back goes first
+    # the rest of the segment, then a second one, then gRPC
+    pool._left = 1
+    assert pool.take(12).ref.offset == 192
+    assert pool.take(12).ref == pb.ShmSlot(segment=2, offset=0)
+    pool._left = 0
+    assert pool.take(12) is None and len(attached) == 2
+    pool.close()
+
+
 def memfd(size=4096, seals=_wire.SHM_SEALS, allocate=True):
     fd = os.memfd_create("test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
