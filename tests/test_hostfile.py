@@ -186,7 +186,7 @@ exec sh -c "$last"
 """
 
 
-def _launch_through_fake_ssh(tmp_path, hostfile_text: str, code: str):
+def _launch_through_fake_ssh(tmp_path, hostfile_text: str, code: str, *flags):
     """Runs ``jaxps-launch --hostfile`` with an ``ssh`` that runs every
     command on this host; returns the finished process."""
     bin_dir = tmp_path / "bin"
@@ -202,6 +202,7 @@ def _launch_through_fake_ssh(tmp_path, hostfile_text: str, code: str):
     env.pop("JAXPS_SERVERS", None)
     return subprocess.run(
         [sys.executable, "-m", "jaxps._src.launch", "--hostfile", str(hosts)]
+        + list(flags)
         + ["--", sys.executable, "-c", code],
         capture_output=True,
         text=True,
@@ -259,3 +260,47 @@ def test_run_server_processes_through_ssh_on_this_host(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     servers = f"127.0.0.1:{port},127.0.0.1:{port + 1}"
     assert out.stdout.count(f"ok {servers}") == 2, out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_server_is_restarted_over_ssh(tmp_path):
+    # Rank 0 kills the server (-9) at step 10; --restart-servers starts it
+    # again with its ssh command line and the workers fail over to it.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (
+        "import os, signal, jaxps, numpy as np\n"
+        "jaxps.init()\n"
+        "for step in range(30):\n"
+        "    x = np.arange(5000, dtype=np.float32) * (jaxps.rank() + 1)\n"
+        "    x += step\n"
+        "    y = jaxps.push_pull_numpy('x', x, average=False)\n"
+        "    want = np.arange(5000, dtype=np.float32) * 3 + 2 * step\n"
+        "    np.testing.assert_array_equal(y, want)\n"
+        "    if step == 10 and jaxps.rank() == 0:\n"
+        "        for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+        "            try:\n"
+        "                cmd = open(f'/proc/{pid}/cmdline').read()\n"
+        "            except OSError:\n"
+        "                continue\n"
+        f"            if 'jaxps-server' in cmd and '{port}\\0' in cmd:\n"
+        "                os.kill(int(pid), signal.SIGKILL)\n"
+        "jaxps.shutdown()\n"
+        "print('ok')\n"
+    )
+    out = _launch_through_fake_ssh(
+        tmp_path,
+        f"server 127.0.0.1:{port}\nworker 127.0.0.1\nworker 127.0.0.1\n",
+        code,
+        "--restart-servers",
+        "1",
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("ok") == 2, out.stdout
+    # ssh reports the remote kill as exit code 137
+    assert (
+        "server 0 ended (exit code 137); starting it again on "
+        f"127.0.0.1:{port} over ssh (restart 1 of 1)"
+    ) in out.stderr, out.stderr
+    assert out.stderr.count("came back") == 2, out.stderr

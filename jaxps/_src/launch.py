@@ -75,9 +75,9 @@ class LaunchConfig:
       dry_run: print the command lines instead of running them.
       server_processes: processes of each local server (``jaxps-server
         --processes``); a hostfile gives its own per server line.
-      restart_servers: how many times a local server that ends while the
-        workers run is started again on its port (the workers fail over
-        to it); 0 stops the job instead.
+      restart_servers: how many times a server that ends while the
+        workers run is started again on its port (a hostfile's over ssh;
+        the workers fail over to it); 0 stops the job instead.
     """
 
     workers: int
@@ -166,9 +166,10 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="R",
-        help="start a local server that ends while the workers run again "
-        "on its port, up to R times in all; the workers fail over to it "
-        "without losing a step (synchronous mode). Default 0: stop the job",
+        help="start a server that ends while the workers run again on its "
+        "port (a hostfile's over ssh), up to R times in all; the workers "
+        "fail over to it without losing a step (synchronous mode). "
+        "Default 0: stop the job",
     )
     p.add_argument(
         "--hostfile",
@@ -274,10 +275,10 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         parser.error(
             f"--restart-servers must be >= 0, got {args.restart_servers}"
         )
-    if args.restart_servers and (args.hostfile or args.server_processes > 1):
+    if args.restart_servers and args.server_processes > 1:
         parser.error(
-            "--restart-servers restarts local single-process servers only "
-            "(not with --hostfile or --server-processes)"
+            "--restart-servers restarts single-process local servers, or "
+            "the servers of a hostfile (not with --server-processes)"
         )
     hosts = None
     if args.hostfile:
@@ -529,18 +530,28 @@ class Launcher:
         return addresses
 
     def _restart(self, child: process.Child) -> None:
-        """Starts the server `child` was again, on its port."""
+        """Starts the server `child` was again, on its port (a hostfile's
+        over ssh, with the command that started it)."""
+        c = self.config
         i = self.servers.index(child)
         self._restarts += 1
-        port = int(self._addresses[i].rpartition(":")[2])
+        if c.hosts is not None:
+            argv = self.commands()[i][1]
+            count = c.hosts.counts()[i]
+            where = f"on {c.hosts.servers[i]} over ssh"
+        else:
+            port = int(self._addresses[i].rpartition(":")[2])
+            argv, count, where = self._server_argv(port), 1, f"on port {port}"
         self.output.error(
             f"{child.name} ended ({describe(child.returncode)}); "
-            f"starting it again on port {port} (restart {self._restarts} of "
-            f"{self.config.restart_servers})"
+            f"starting it again {where} (restart {self._restarts} of "
+            f"{c.restart_servers})"
         )
-        server = self._child(child.name, self._server_argv(port), os.environ)
+        server = self._child(child.name, argv, dict(os.environ))
         self.servers[i] = server
-        self._await_ready(server, 1, time.monotonic() + SERVER_START_TIMEOUT)
+        self._await_ready(
+            server, count, time.monotonic() + SERVER_START_TIMEOUT
+        )
 
     def _await_ready(
         self, server: process.Child, count: int, deadline: float
