@@ -62,6 +62,9 @@ WORKER = textwrap.dedent(
                 "count", np.ones(1, np.float32), average=False)
             assert count[0] == n, (count, n)
             state.step += 1
+            if state.step == 10 and os.environ.get("JAXPS_WORKER_RANK") == (
+                    os.environ.get("DIE_AS_RANK")):
+                os.kill(os.getpid(), 9)
             print("step", state.step, n, round(time.monotonic() - began, 3),
                   float(loss), flush=True)
             time.sleep(slow if n == 2 and state.step > 10 else 0.05)
@@ -207,3 +210,34 @@ def test_a_worker_started_mid_run_joins(tmp_path, start_servers):
                 w.kill()
                 w.wait()
             w.stdout.close()
+
+
+@pytest.mark.timeout(150)
+def test_the_launcher_lets_an_elastic_job_go_on(tmp_path):
+    # The launcher's rank 2 kills itself at step 10: with --elastic the
+    # launcher reports it and the survivors finish.
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = dict(os.environ, DIE_AS_RANK="2")
+    env.pop("JAXPS_SERVERS", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxps._src.launch", "--workers", "3"]
+        + ["--servers", "2", "--timeout", str(TIMEOUT), "--elastic"]
+        + ["--", sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "worker 2 failed (SIGKILL); 2 worker(s) go on (--elastic)" in (
+        out.stderr
+    ), out.stderr
+    finals = {
+        line.split()[-1]
+        for line in out.stdout.splitlines()
+        if line.startswith(("[worker 0] final", "[worker 1] final"))
+    }
+    assert len(finals) == 1, out.stdout
+    assert f"[worker 0] step {STEPS} 2 " in out.stdout, out.stdout

@@ -44,7 +44,7 @@ _USAGE = (
     "jaxps-launch [-h] (--workers N [--servers K] | --hostfile FILE) "
     "[--server-processes P] [--timeout SECONDS] [--job-id ID] "
     "[--engine-threads T] [--restart-servers R] [--dry-run] "
-    "[--async] [--deterministic] -- CMD [ARGS ...]"
+    "[--async] [--deterministic] [--elastic] -- CMD [ARGS ...]"
 )
 
 
@@ -78,6 +78,9 @@ class LaunchConfig:
       restart_servers: how many times a server that ends while the
         workers run is started again on its port (a hostfile's over ssh;
         the workers fail over to it); 0 stops the job instead.
+      elastic: a worker that fails does not stop the job (for
+        `jaxps.elastic` programs, whose survivors go on without it); the
+        job succeeds if any worker does.
     """
 
     workers: int
@@ -92,6 +95,7 @@ class LaunchConfig:
     dry_run: bool = False
     server_processes: int = 1
     restart_servers: int = 0
+    elastic: bool = False
 
 
 # ----------------------------------------------------------------------------
@@ -193,6 +197,12 @@ def _parser() -> argparse.ArgumentParser:
         "--deterministic",
         action="store_true",
         help="servers sum in rank order (bitwise reproducible)",
+    )
+    p.add_argument(
+        "--elastic",
+        action="store_true",
+        help="a worker that fails does not stop the job (jaxps.elastic "
+        "programs go on without it); exit 0 if any worker succeeds",
     )
     p.add_argument(
         "command",
@@ -333,6 +343,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         dry_run=args.dry_run,
         server_processes=args.server_processes,
         restart_servers=args.restart_servers,
+        elastic=args.elastic,
     )
 
 
@@ -598,6 +609,7 @@ class Launcher:
     def _watch(self) -> int:
         """Waits for the workers; returns 0 or the first failure's code."""
         running = set(self.workers)
+        failed: list[process.Child] = []
         while running:
             self._check_signal()
             try:
@@ -615,12 +627,22 @@ class Launcher:
                     "while workers were running; stopping all processes"
                 )
             running.discard(child)
-            if child.returncode != 0:
+            if child.returncode != 0 and self.config.elastic:
+                failed.append(child)
+                self.output.error(
+                    f"{child.name} failed ({describe(child.returncode)}); "
+                    f"{len(running)} worker(s) go on (--elastic)"
+                )
+            elif child.returncode != 0:
                 raise LaunchError(
                     f"{child.name} failed ({describe(child.returncode)}); "
                     "stopping all processes",
                     exit_code(child.returncode),
                 )
+        if failed and len(failed) == len(self.workers):
+            raise LaunchError(
+                "every worker failed", exit_code(failed[0].returncode)
+            )
         return 0
 
     def stop(self) -> None:
