@@ -222,10 +222,6 @@ class Summation:
             r = self._rendezvous[job_id] = _rendezvous.Rendezvous(
                 job_id, lambda: self._running(job_id)
             )
-        now = time.monotonic()
-        if request.probe:
-            self._probed[request.job_id] = now + request.timeout
-            return r.generation, r.members, r.waiting
         for name in ("settle", "timeout"):
             value = getattr(request, name)
             if not 0 <= value < math.inf:  # also NaN
@@ -233,6 +229,10 @@ class Summation:
                     "INVALID_ARGUMENT",
                     f"rendezvous {name} must be finite and >= 0, got {value}.",
                 )
+        now = time.monotonic()
+        if request.probe:
+            self._probed[request.job_id] = now + request.timeout
+            return r.generation, r.members, r.waiting
         generation, members = await r.arrive(
             request.member,
             request.generation,

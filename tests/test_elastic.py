@@ -125,6 +125,14 @@ def _finish(workers, first_lines):
     return outs
 
 
+def _reap(workers):
+    for w in workers:
+        if w.poll() is None:
+            w.kill()
+            w.wait()
+        w.stdout.close()
+
+
 def _final(out):
     finals = [line for line in out.splitlines() if line.startswith("final")]
     assert len(finals) == 1, out
@@ -172,11 +180,7 @@ def test_survivors_of_a_killed_worker_finish(tmp_path, start_servers):
             f"{after[0] - before[-1]:.2f} s"
         )
     finally:
-        for w in workers:
-            if w.poll() is None:
-                w.kill()
-                w.wait()
-            w.stdout.close()
+        _reap(workers)
 
 
 @pytest.mark.timeout(150)
@@ -205,11 +209,7 @@ def test_a_worker_started_mid_run_joins(tmp_path, start_servers):
             f"{joined:.2f} s after it started (JAX import included)"
         )
     finally:
-        for w in workers:
-            if w.poll() is None:
-                w.kill()
-                w.wait()
-            w.stdout.close()
+        _reap(workers)
 
 
 @pytest.mark.timeout(150)

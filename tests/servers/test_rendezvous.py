@@ -166,3 +166,25 @@ def test_async_servers_refuse_elastic_workers():
             core.hello(header(0), 2, init_id="a", generation=1)
     finally:
         core.close()
+
+
+def test_a_probe_with_an_endless_timeout_is_refused():
+    async def main():
+        core = _summation.Summation(2)
+        try:
+            request = pb.RendezvousRequest(
+                version=_wire.PROTOCOL_VERSION,
+                job_id="job",
+                probe=True,
+                timeout=float("inf"),
+            )
+            with pytest.raises(_wire.Rejected, match="timeout must be"):
+                await core.rendezvous(request, deadline=time.monotonic() + 1)
+            request.timeout = 1.0
+            assert await core.rendezvous(
+                request, deadline=time.monotonic() + 1
+            ) == (0, (), 0)
+        finally:
+            core.close()
+
+    asyncio.run(main())
