@@ -35,10 +35,12 @@ JOIN_MARGIN = 5.0
 _REJECTED = {getattr(grpc.StatusCode, n) for n in _wire.REJECTED_STATUSES}
 
 
-def channel_credentials(
-    ca: str, cert: str | None = None, key: str | None = None
-) -> grpc.ChannelCredentials:
-    """TLS credentials from PEM files (`cert`/`key` for client auth)."""
+def channel_credentials(config) -> grpc.ChannelCredentials | None:
+    """The TLS credentials of a `Config` from its PEM files (``tls_ca``,
+    and ``tls_cert``/``tls_key`` for client auth); None without TLS."""
+    if not config.tls_ca:
+        return None
+    ca, cert, key = config.tls_ca, config.tls_cert, config.tls_key
 
     def read(path, what):
         try:

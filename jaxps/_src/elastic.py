@@ -29,7 +29,7 @@ import typing as tp
 import numpy as np
 
 from jaxps._src import errors, jit_errors, state
-from jaxps._src.client import ServerClient
+from jaxps._src.client import ServerClient, channel_credentials
 from jaxps._src.config import Config
 from jaxps.servers import _wire
 from jaxps.servers import jaxps_pb2 as pb
@@ -68,9 +68,7 @@ class State:
         if not fields:
             raise TypeError("jaxps.elastic.State needs at least one field.")
         object.__setattr__(self, "_fields", dict(fields))
-        object.__setattr__(self, "_committed", {})
         object.__setattr__(self, "_membership", None)
-        object.__setattr__(self, "commits", 0)
         self._snapshot()
 
     def __getattr__(self, name: str):
@@ -105,7 +103,6 @@ class State:
         the step boundary where waiting workers join (then it raises an
         internal exception that `run` handles: do not catch it)."""
         self._snapshot()
-        object.__setattr__(self, "commits", self.commits + 1)
         if self._membership is not None:
             waiting = self._membership.waiting()
             if waiting:
@@ -126,10 +123,9 @@ class State:
         from jaxps.ops import broadcast
 
         leaves, treedef = jax.tree.flatten(dict(self._fields))
-        scalars = [
-            i for i, x in enumerate(leaves) if isinstance(x, (bool, int, float))
-        ]
-        arrays = [i for i in range(len(leaves)) if i not in set(scalars)]
+        scalar = [isinstance(x, (bool, int, float)) for x in leaves]
+        scalars = [i for i, s in enumerate(scalar) if s]
+        arrays = [i for i, s in enumerate(scalar) if not s]
         out = list(leaves)
         if arrays:
             got = broadcast([leaves[i] for i in arrays], root, name=_STATE)
@@ -181,13 +177,6 @@ class _Membership:
                 "jaxps.elastic.run needs summation servers (the first one "
                 "holds the membership): pass servers= or set JAXPS_SERVERS."
             )
-        credentials = None
-        if config.tls_ca:
-            from jaxps._src.client import channel_credentials
-
-            credentials = channel_credentials(
-                config.tls_ca, config.tls_cert, config.tls_key
-            )
         self.config = config
         self.settle = settle
         self.join_timeout = join_timeout
@@ -201,7 +190,7 @@ class _Membership:
             max_message_bytes=_wire.MESSAGE_OVERHEAD,
             timeout=config.timeout,
             token=config.token,
-            credentials=credentials,
+            credentials=channel_credentials(config),
         )
 
     def close(self) -> None:
@@ -334,7 +323,7 @@ def run(
         expected = base.num_workers
         try:
             while True:
-                lost_at = time.monotonic()
+                began = time.monotonic()
                 generation, members = membership.arrive(expected)
                 size = len(members)
                 if size < min_workers:
@@ -359,7 +348,7 @@ def run(
                         generation,
                         config.worker_rank,
                         size,
-                        time.monotonic() - lost_at,
+                        time.monotonic() - began,
                     )
                     return func(train_state, *args, **kwargs)
                 except _MembershipChanged as change:

@@ -236,11 +236,7 @@ class Runtime:
             config.servers, config.colocated_servers
         )
         max_message = config.partition_bytes + _wire.MESSAGE_OVERHEAD
-        credentials = None
-        if config.tls_ca:
-            credentials = channel_credentials(
-                config.tls_ca, config.tls_cert, config.tls_key
-            )
+        credentials = channel_credentials(config)
         # One id for this init: the servers put this worker's channels in
         # one job incarnation, and a later init of the rank in a new one.
         init_id = secrets.token_hex(8)

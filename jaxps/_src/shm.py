@@ -151,7 +151,7 @@ class SlotPool:
         self.segment_ids.append(segment_id)
         self._views.append(memoryview(segment))
         self._next = 0
-        self._left = min(self.slots_per_segment, size // self._stride)
+        self._left = self.slots_per_segment
 
     def _disable(self, why: str) -> None:
         self.max_segments = len(self._maps)  # keep what works, stop growing

@@ -26,6 +26,14 @@ def running(value=True):
     return lambda: value
 
 
+async def running_job_of(*members):
+    """A rendezvous whose first generation are `members`, running."""
+    r = _rendezvous.Rendezvous("j", running(True))
+    n = len(members)
+    await asyncio.gather(*(arrive(r, m, expected=n) for m in members))
+    return r
+
+
 def test_first_generation_closes_when_all_arrive_in_hint_order():
     async def main():
         r = _rendezvous.Rendezvous("j", running(False))
@@ -59,10 +67,7 @@ def test_survivors_close_after_settle_and_keep_their_order():
 
 def test_a_newcomer_waits_for_the_running_job_then_joins_last():
     async def main():
-        r = _rendezvous.Rendezvous("j", running(True))
-        await asyncio.gather(
-            arrive(r, "a", expected=2), arrive(r, "b", expected=2)
-        )
+        r = await running_job_of("a", "b")
         # a newcomer's own count (or settle) never starts a generation
         joiner = asyncio.ensure_future(
             arrive(r, "new", expected=1, settle=0.05, hint=0)
@@ -96,10 +101,7 @@ def test_newcomers_start_afresh_once_the_job_stopped():
 
 def test_a_retry_gets_its_generation_and_bad_arrivals_are_named():
     async def main():
-        r = _rendezvous.Rendezvous("j", running(True))
-        await asyncio.gather(
-            arrive(r, "a", expected=2), arrive(r, "b", expected=2)
-        )
+        r = await running_job_of("a", "b")
         assert await arrive(r, "a", was=0) == (1, ("a", "b"))  # lost reply
         with pytest.raises(_wire.Rejected, match="generation 7") as e:
             await arrive(r, "a", was=7)
