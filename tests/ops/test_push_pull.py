@@ -105,10 +105,14 @@ def run_job(
         tmp_path,
         timeout=timeout,
     )
-    for rank, (code, out) in enumerate(results):
-        assert code == 0, f"rank {rank} failed:\n{out}"
-        for name in names:
-            assert f"ok {name}" in out, f"rank {rank}: {name} missing:\n{out}"
+    failed = [
+        f"rank {rank} (exit code {code}):\n{out}"
+        for rank, (code, out) in enumerate(results)
+        if code != 0 or any(f"ok {name}" not in out for name in names)
+    ]
+    # every rank's output: the rank that failed first may not be the one
+    # whose error is reported first
+    assert not failed, f"{len(failed)} rank(s) failed:\n" + "\n".join(failed)
 
 
 @pytest.mark.timeout(300)
