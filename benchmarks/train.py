@@ -186,6 +186,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "loopback, 8 ms of link time with --cluster)",
     )
     p.add_argument(
+        "--bucket-kib",
+        type=int,
+        default=0,
+        help="jaxps.value_and_grad bucket_bytes of the overlapped runs, "
+        "KiB (default: the example's, 1024)",
+    )
+    p.add_argument(
         "--cluster",
         action="store_true",
         help="run every worker and server on its own host of an "
@@ -341,6 +348,11 @@ def child(args: argparse.Namespace) -> None:
             "--num-iters",
             str(args.iters),
             *(["--no-overlap"] if args.no_overlap else []),
+            *(
+                ["--bucket-kib", str(args.bucket_kib)]
+                if args.bucket_kib
+                else []
+            ),
         ]
     )
     wall = clock["end"] - clock["wall"]
@@ -379,6 +391,8 @@ def child_argv(args, model: str, no_overlap: bool = False) -> list[str]:
         str(args.batches_per_iter),
         "--warmup",
         str(args.warmup),
+        "--bucket-kib",
+        str(args.bucket_kib),
         *(["--no-overlap"] if no_overlap else []),
     ]
 

@@ -19,6 +19,7 @@ It also runs as a single worker without servers: python examples/benchmark.py
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import time
 
@@ -51,6 +52,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="push_pull all gradients after the backward pass "
         "(DistributedOptimizer) instead of during it (jaxps.value_and_grad)",
+    )
+    p.add_argument(
+        "--bucket-kib",
+        type=int,
+        default=1024,
+        help="overlapped path: gradients pushed together, KiB "
+        "(jaxps.value_and_grad's bucket_bytes)",
     )
     return p.parse_args(argv)
 
@@ -159,10 +167,12 @@ def _loss(model, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-@nnx.jit
-def train_step(model, optimizer, x, y):
-    # each gradient's push starts in the backward pass; averaged on return
-    loss, grads = jaxps.value_and_grad(_loss)(model, x, y)
+@functools.partial(nnx.jit, static_argnames="bucket_bytes")
+def train_step(model, optimizer, x, y, bucket_bytes=1 << 20):
+    # each bucket's push starts in the backward pass; averaged on return
+    loss, grads = jaxps.value_and_grad(_loss, bucket_bytes=bucket_bytes)(
+        model, x, y
+    )
     optimizer.update(model, grads)  # plain SGD
     return loss
 
@@ -190,7 +200,9 @@ def main(argv=None) -> list[float]:
     model_cls = ResNet if args.model == "resnet" else Transformer
     model = model_cls(nnx.Rngs(args.seed))
     nnx.update(model, jaxps.broadcast(nnx.state(model, nnx.Param)))
-    step_fn, tx = train_step, optax.sgd(0.01)
+    tx = optax.sgd(0.01)
+    bucket = {"bucket_bytes": args.bucket_kib << 10}
+    step_fn = functools.partial(train_step, **bucket)
     if args.no_overlap:
         step_fn = train_step_after_backward
         tx = jaxps.DistributedOptimizer(tx)

@@ -28,11 +28,15 @@ def shard_names(names: tuple[str, ...], shard: int) -> list[str]:
     return [f"{n}@{shard}" for n in names]
 
 
-def start(names, average, priorities, mode, shard, *arrays) -> np.ndarray:
+def start(
+    names, average, priorities, mode, shard, *arrays, call=None
+) -> np.ndarray:
     """Starts push_pull of `arrays`; returns a ticket for `done`.
 
     `mode` is the push_pull's (``"sync"`` or ``"async"``); the runtime
-    checks it against the servers it is connected to now.
+    checks it against the servers it is connected to now. `call` names the
+    call's check (default: from `names`, see `plan.call_name`), before the
+    device's shard suffix.
     """
     began = timeline.now()
     runtime = state.runtime()
@@ -45,6 +49,7 @@ def start(names, average, priorities, mode, shard, *arrays) -> np.ndarray:
         average=average,
         priorities=priorities,
         mode=mode,
+        call=None if call is None else f"{call}@{int(shard)}",
     )
     with _lock:
         ticket = 0

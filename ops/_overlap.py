@@ -19,15 +19,27 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import io_callback
+from jax.extend import core as jex_core
 
-from jaxps._src import jit_errors, naming, state
+from jaxps._src import jit_errors, naming, plan, state
 from jaxps.ops import _host
 from jaxps.ops._push_pull import leaf_names
 
 
 def _start(names, average, priorities, mode, shard, *grads):
-    # a float32 holds every ticket exactly (they stay below _host.TICKETS)
-    ticket = _host.start(names, average, priorities, mode, shard, *grads)
+    # A bucket's call check is named after its first leaf: the default, the
+    # user's name alone, is the same for every bucket of several leaves, and
+    # the buckets of one step are in flight at once. A float32 holds every
+    # ticket exactly (they stay below _host.TICKETS).
+    ticket = _host.start(
+        names,
+        average,
+        priorities,
+        mode,
+        shard,
+        *grads,
+        call=plan.call_name(names[:1]),
+    )
     return np.float32(ticket)
 
 
@@ -84,19 +96,42 @@ _tap.defvjp(_tap_fwd, _tap_bwd)
 
 
 def _buckets(leaves, specs, bucket_bytes):
-    """Consecutive pushed leaves, grouped up to `bucket_bytes` each."""
+    """Pushed leaves of consecutive priority (highest first), grouped up to
+    `bucket_bytes` each: a bucket's leaves get their gradients at about the
+    same time of the backward pass."""
+    pushed = [i for i, spec in enumerate(specs) if spec is not None]
+    pushed.sort(key=lambda i: (-specs[i][1], i))
     buckets, current, size = [], [], 0
-    for i, (leaf, spec) in enumerate(zip(leaves, specs)):
-        if spec is None:
-            continue
+    for i in pushed:
         current.append(i)
-        size += np.prod(jnp.shape(leaf)) * jnp.result_type(leaf).itemsize
+        size += (
+            np.prod(jnp.shape(leaves[i])) * jnp.result_type(leaves[i]).itemsize
+        )
         if size >= bucket_bytes:
             buckets.append(current)
             current, size = [], 0
     if current:
         buckets.append(current)
     return buckets
+
+
+def _use_order(fun_of_leaves, leaves):
+    """Leaf indices in the order `fun_of_leaves` first uses them (unused
+    leaves last), from a probe trace of it; None if the probe fails, the
+    real trace then reports the error."""
+    try:
+        with naming.unnumbered():
+            jaxpr = jax.make_jaxpr(fun_of_leaves)(list(leaves)).jaxpr
+    except Exception:  # noqa: BLE001 - e.g. a mutation nnx refuses here
+        return None
+    index = {v: i for i, v in enumerate(jaxpr.invars)}
+    first: dict[int, int] = {}
+    for n, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not isinstance(v, jex_core.Literal) and v in index:
+                first.setdefault(index[v], n)
+    unused = len(jaxpr.eqns)
+    return sorted(range(len(leaves)), key=lambda i: (first.get(i, unused), i))
 
 
 def _tap_all(leaves, slots, specs, buckets, average, axis_name):
@@ -134,10 +169,11 @@ def value_and_grad(
 ):
     """`jax.value_and_grad` whose gradients are summed over the workers.
 
-    The leaves go out in buckets (consecutive leaves, about `bucket_bytes`
-    each). Each bucket's push_pull starts inside the backward pass, as soon
-    as its gradients are complete, so communication overlaps the rest of
-    the backward pass; the sums are waited for at the end, by one host
+    The leaves go out in buckets (leaves of consecutive priority, by
+    default of consecutive use in `fun`, about `bucket_bytes` each). Each
+    bucket's push_pull starts inside the backward pass, as soon as its
+    gradients are complete, so communication overlaps the rest of the
+    backward pass; the sums are waited for at the end, by one host
     callback. The result equals
     ``push_pull(jax.grad(fun)(...))`` bit for bit (with deterministic
     servers). Use it with the optimizer itself (``optax.adamw(...)``, or
@@ -161,14 +197,15 @@ def value_and_grad(
       average: average (rather than sum) the gradients over workers.
       name: push_pull name of the gradients. Default: the call site,
         numbered within the `jax.jit` trace (as `push_pull`'s).
-      priorities: one int per leaf, higher goes out first. Default: leaves
-        earlier in the tree first (the first layers, which the next
-        forward pass needs first).
+      priorities: one int per leaf, higher goes out first. Default: the
+        leaves `fun` uses first go out first (the first layers, which the
+        next forward pass needs first), from a probe trace of `fun`; the
+        tree's order if that trace fails.
       axis_name: the shard_map / pmap axis of the local devices, or None.
-      bucket_bytes: consecutive leaves are pushed together, in buckets of
-        about this many bytes; a bucket's push starts once all of its
-        gradients are complete. Small buckets start sooner, but every push
-        costs CPU (a host callback, a round per server).
+      bucket_bytes: leaves of consecutive priority are pushed together, in
+        buckets of about this many bytes; a bucket's push starts once all
+        of its gradients are complete. Small buckets start sooner, but
+        every push costs CPU (a host callback, a round per server).
 
     Returns:
       A function with `fun`'s arguments that returns ``(value, grads)``
@@ -216,7 +253,15 @@ def value_and_grad(
                 bucket_bytes,
             )
         leaves, treedef = jax.tree.flatten(target)
-        specs = _specs(target, base, priorities, len(leaves))
+        index = argnums % len(args)
+
+        def probe(flat):
+            call = list(args)
+            call[index] = treedef.unflatten(flat)
+            return fun(*call, **kwargs)
+
+        order = None if priorities is not None else _use_order(probe, leaves)
+        specs = _specs(target, base, priorities, order)
         buckets = _buckets(leaves, specs, bucket_bytes)
         slots = [jnp.zeros((), jnp.float32) for _ in buckets]
 
@@ -225,10 +270,10 @@ def value_and_grad(
                 jax.tree.leaves(tree), slots, specs, buckets, average, axis_name
             )
             call = list(rest)
-            call.insert(argnums % len(args), treedef.unflatten(taps))
+            call.insert(index, treedef.unflatten(taps))
             return fun(*call, **kwargs)
 
-        rest = [a for i, a in enumerate(args) if i != argnums % len(args)]
+        rest = [a for i, a in enumerate(args) if i != index]
         value, (grads, tickets) = jax.value_and_grad(
             tapped, argnums=(0, 1), has_aux=has_aux
         )(target, slots, *rest)
@@ -237,11 +282,16 @@ def value_and_grad(
     return wrapped
 
 
-def _specs(tree, base, priorities, count):
-    """Per leaf: (wire name, priority), or None (an empty leaf)."""
+def _specs(tree, base, priorities, order):
+    """Per leaf: (wire name, priority), or None (an empty leaf). Without
+    `priorities`, the leaves the forward pass uses first (`order`, or the
+    tree's order) go out first: the next forward pass needs them first."""
     leaves = jax.tree.leaves(tree)
+    count = len(leaves)
     if priorities is None:
-        priorities = [-i for i in range(count)]
+        priorities = [0] * count
+        for position, i in enumerate(order or range(count)):
+            priorities[i] = -position
     priorities = [int(p) for p in priorities]
     if len(priorities) != count:
         raise ValueError(
@@ -317,8 +367,16 @@ def _module_value_and_grad(
     """`value_and_grad` of an `nnx.Module` argument, by its `nnx.Param`s."""
     module = args[argnums]
     params = nnx.state(module, nnx.Param)
-    leaves = jax.tree.leaves(params)
-    specs = _specs(params, base, None, len(leaves))
+    leaves, params_def = jax.tree.flatten(params)
+
+    def probe(flat):  # on a copy: what the probe's forward changes is lost
+        copy = nnx.clone(module)
+        nnx.update(copy, params_def.unflatten(flat))
+        call = list(args)
+        call[argnums] = copy
+        return fun(*call, **kwargs)
+
+    specs = _specs(params, base, None, _use_order(probe, leaves))
     buckets = _buckets(leaves, specs, bucket_bytes)
     slots = [jnp.zeros((), jnp.float32) for _ in buckets]
 

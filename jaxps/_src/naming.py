@@ -15,6 +15,7 @@ explicit names there.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import os
 import sys
@@ -77,3 +78,23 @@ def default_name(kind: str) -> str:
         number = counts[site]
         counts[site] += 1
     return site if number == 0 else f"{site}.{number}"
+
+
+@contextlib.contextmanager
+def unnumbered():
+    """Leaves the call numbers of the current trace as they were: for a
+    second trace of the same code (a probe) that must not shift the
+    names of the real one."""
+    trace = _top_trace()
+    with _lock:
+        saved = None if trace is None else _counts.get(trace, None)
+        saved = None if saved is None else collections.Counter(saved)
+    try:
+        yield
+    finally:
+        if trace is not None:
+            with _lock:
+                if saved is None:
+                    _counts.pop(trace, None)
+                else:
+                    _counts[trace] = saved

@@ -254,8 +254,9 @@ def call_name(names: Sequence[str]) -> str:
     leaves, their paths (trailing ``[...]`` and ``.attr`` parts), so ranks
     whose trees differ in shape, dtype or structure still check on the same
     key. A call of one leaf keeps its path (``"grads['w']@0"``): the
-    overlapped backward pass (`jaxps.value_and_grad`) pushes each leaf as a
-    call of its own, in any order, and each must count its own checks.
+    overlapped backward pass (`jaxps.value_and_grad`) pushes its buckets
+    as calls of their own, in any order, and each must count its own
+    checks (a bucket of several leaves passes its first leaf's call name).
     Other names (e.g. `push_pull_numpy`'s) are their own call; several
     distinct ones are joined with ``+``. Two calls of several leaves whose
     names differ only in a trailing path-like part share one check

@@ -6,6 +6,7 @@ from every rank's (deterministic) contribution, and prints ``ok NAME``.
 """
 
 import os
+import re
 import sys
 import time
 
@@ -169,11 +170,16 @@ def check_overlap():
         jaxps.value_and_grad(_mlp_loss, name="vg", bucket_bytes=1)
     )
     bucketed = jax.jit(jaxps.value_and_grad(_mlp_loss, name="vgb"))
+    # three buckets of two layers, in flight at once: each has its own
+    # call check (one shared check counter runs too far ahead)
+    pairs = jax.jit(
+        jaxps.value_and_grad(_mlp_loss, name="vgp", bucket_bytes=2 << 18)
+    )
     starts, start = [], _host.start
 
-    def timed(*args):
+    def timed(*args, **kwargs):
         starts.append(time.perf_counter())
-        return start(*args)
+        return start(*args, **kwargs)
 
     _host.start = timed
     try:
@@ -190,6 +196,9 @@ def check_overlap():
     # default buckets of 1 MiB: 4 layers of 256 KiB each, then 2
     for got, ref in zip(bucketed(params, x)[1], want):
         np.testing.assert_array_equal(got, ref)
+    for _ in range(2):
+        for got, ref in zip(pairs(params, x)[1], want):
+            np.testing.assert_array_equal(got, ref)
     np.testing.assert_allclose(value, _mlp_loss(params, x), rtol=1e-6)
     assert len(starts) == len(params), starts
     # all at the end of the backward pass, they would be ~1 ms apart. The
@@ -198,6 +207,96 @@ def check_overlap():
     # on a loaded machine.
     spread, compute = starts[-1] - starts[0], starts[-1] - began
     assert spread > 0.25 * compute, (spread, compute, step)
+
+
+def check_overlap_use_order():
+    # Default priorities and buckets follow the order in which the loss
+    # uses the leaves, not the tree's (sorted keys here and in nnx): the
+    # first used goes out first, and each bucket's leaves are used together.
+    from flax import nnx
+
+    from jaxps.ops import _host
+
+    calls, start = [], _host.start
+
+    def recorded(names, average, priorities, *rest, **kwargs):
+        calls.append(dict(zip(names, priorities)))
+        return start(names, average, priorities, *rest, **kwargs)
+
+    params, x = _mlp(jaxps.rank(), width=16, layers=3)
+    tree = {"c": params[0], "b": params[1], "a": params[2]}  # used c, b, a
+
+    def loss(p, x):
+        # a push_pull of default name inside the loss: the probe trace
+        # must not shift its number
+        x = jaxps.push_pull(x, average=False)
+        return _mlp_loss([p["c"], p["b"], p["a"]], x)
+
+    class Net(nnx.Module):  # attributes sorted: a_out before z_in
+        def __init__(self):
+            self.z_in = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+            self.norm = nnx.BatchNorm(16, rngs=nnx.Rngs(1))
+            self.a_out = nnx.Linear(16, 1, rngs=nnx.Rngs(2))
+
+        def __call__(self, x):
+            return self.a_out(self.norm(jnp.tanh(self.z_in(x))))
+
+    def net_loss(model, x):
+        return jnp.mean(model(x) ** 2)
+
+    @nnx.jit
+    def overlapped(model, x):
+        return jaxps.value_and_grad(net_loss, name="uo", bucket_bytes=1)(
+            model, x
+        )[1]
+
+    @nnx.jit
+    def reference(model, x):
+        return jaxps.push_pull(nnx.grad(net_loss)(model, x), name="uoref")
+
+    _host.start = recorded
+    try:
+        grads = jax.jit(jaxps.value_and_grad(loss, name="use", bucket_bytes=1))(
+            tree, x
+        )
+        pytree_calls = list(calls)
+        calls.clear()
+        models = [Net(), Net()]
+        got = overlapped(models[0], x)
+        nnx_calls = list(calls)
+    finally:
+        _host.start = start
+    want = reference(models[1], x)
+    # first call: the inner push_pull, under its unnumbered default name
+    inner, *pushes = pytree_calls
+    assert [n.split("@")[0] for n in inner] == ["push_pull"], inner
+    assert not next(iter(inner)).split(":")[1].count("."), inner
+
+    def key(name):  # e.g. use['c']:float32[16, 16] -> c
+        return re.search(r"\['(\w+)'\]", name).group(1)
+
+    order = [key(n) for c in pushes for n in c]
+    assert order == ["a", "b", "c"], order  # backward order: last used first
+    prio = {key(n): p for c in pushes for n, p in c.items()}
+    assert prio["c"] > prio["b"] > prio["a"], prio
+    reference_tree = jax.jit(
+        lambda p, x: jaxps.push_pull(jax.grad(loss)(p, x), name="useref")
+    )(tree, x)
+    for k in tree:
+        np.testing.assert_array_equal(grads[1][k], reference_tree[k])
+    named = {n: p for c in nnx_calls for n, p in c.items()}
+    z = max(p for n, p in named.items() if "z_in" in n)
+    a = max(p for n, p in named.items() if "a_out" in n)
+    assert z > a, named
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(g, w)
+    # the probe ran the forward pass on a copy: batch statistics were
+    # updated once, as by the reference, and hold no tracer
+    for a, b in zip(
+        jax.tree.leaves(nnx.state(models[0], nnx.BatchStat)),
+        jax.tree.leaves(nnx.state(models[1], nnx.BatchStat)),
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def check_overlap_shard_map():

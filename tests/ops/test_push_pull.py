@@ -138,7 +138,10 @@ def test_four_workers(start_servers, tmp_path):
 def test_overlapped_gradients_equal_push_pull_of_grad(start_servers, tmp_path):
     servers = start_servers(2, 2, "--deterministic")
     run_job(
-        servers, 2, ["overlap", "overlap_nnx", "overlap_shard_map"], tmp_path
+        servers,
+        2,
+        ["overlap", "overlap_nnx", "overlap_use_order", "overlap_shard_map"],
+        tmp_path,
     )
 
 
