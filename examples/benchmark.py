@@ -201,8 +201,7 @@ def main(argv=None) -> list[float]:
     model = model_cls(nnx.Rngs(args.seed))
     nnx.update(model, jaxps.broadcast(nnx.state(model, nnx.Param)))
     tx = optax.sgd(0.01)
-    bucket = {"bucket_bytes": args.bucket_kib << 10}
-    step_fn = functools.partial(train_step, **bucket)
+    step_fn = functools.partial(train_step, bucket_bytes=args.bucket_kib << 10)
     if args.no_overlap:
         step_fn = train_step_after_backward
         tx = jaxps.DistributedOptimizer(tx)
