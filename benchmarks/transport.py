@@ -12,7 +12,8 @@ payload up and the same back, in calls of each size, for every path:
 * ``grpc-echo``: a bare gRPC Python echo (``grpc.aio`` server, raw bytes, no
   protobuf), a call sent as messages of at most ``--partition-mib``, all in
   flight at once.
-* ``jaxps-<transport>``: ``Runtime.push_pull`` of a float32 array against a
+* ``jaxps-<transport>``: ``Runtime.push_pull`` of a float32 array (donated,
+  as the ops donate their device-to-host copies) against a
   1-worker ``jaxps-server`` with shared memory off: the path of a server on
   another host. ``--transports`` picks them (``grpc``: payloads in gRPC
   messages; ``tcp``: the data channel).
@@ -205,7 +206,9 @@ def jaxps_client(args) -> dict:
     got = []
 
     def call():
-        got[:] = [rt.push_pull("x", x, average=False)]
+        # as the ops do: `x` is never written, so it is donated
+        handle = rt.push_pull_async(["x"], [x], average=False, donate=True)
+        got[:] = handle.wait()
 
     result = _measure(call, args.calls, args.server_pid)
     np.testing.assert_array_equal(got[0], x)

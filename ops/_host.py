@@ -50,6 +50,7 @@ def start(
         priorities=priorities,
         mode=mode,
         call=None if call is None else f"{call}@{int(shard)}",
+        donate=True,  # its own copies
     )
     with _lock:
         ticket = 0

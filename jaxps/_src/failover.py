@@ -101,8 +101,9 @@ class RecoveringTransport(Transport):
         self._generation = 0
         self._closed = False
         self._replaced: list[Transport] = []  # closed with this one
-        # key -> (header, payload) of its last completed round here
-        self._kept: dict[int, tuple[pb.Header, np.ndarray]] = {}
+        # key -> (header, payload, whether it is the chunk's own source) of
+        # its last completed round here
+        self._kept: dict[int, tuple[pb.Header, np.ndarray, bool]] = {}
         #: seconds each recovery took, failure to the new transport
         self.recoveries: list[float] = []
 
@@ -136,6 +137,7 @@ class RecoveringTransport(Transport):
             chunk.header,
             chunk.divisor,
             inner,
+            chunk.private,
         )
         attempt.queued = chunk.queued
         try:
@@ -144,17 +146,22 @@ class RecoveringTransport(Transport):
             self._failed(chunk, err, generation)
 
     def _keep(self, chunk: Chunk) -> None:
-        """Keeps a copy of a completed chunk's payload, for a re-push."""
+        """Keeps a completed chunk's payload (a copy unless the runtime owns
+        it), for a re-push."""
         key = chunk.header.key
+        source = chunk.source
         with self._lock:
             kept = self._kept.get(key)
-            payload = None if kept is None else kept[1]
-            if payload is None or payload.shape != chunk.source.shape:
-                payload = np.empty_like(chunk.source)
-            np.copyto(payload, chunk.source)
+            if chunk.private:  # no one writes to it: keep it as it is
+                payload = source
+            else:  # into the last copy, if it was one this made
+                payload = None if kept is None or kept[2] else kept[1]
+                if payload is None or payload.shape != source.shape:
+                    payload = np.empty_like(source)
+                np.copyto(payload, source)
             # The header as it is (it is not changed once its chunk is
             # done): CopyFrom into one kept message would grow its arena.
-            self._kept[key] = (chunk.header, payload)
+            self._kept[key] = (chunk.header, payload, chunk.private)
 
     def _failed(self, chunk: Chunk, err: BaseException, generation) -> None:
         # A chunk of a replaced transport fails however its closed channel
@@ -210,7 +217,7 @@ class RecoveringTransport(Transport):
         self.client = inner.client
         repushed = 0
         push_deadline = time.monotonic() + inner.timeout
-        for header, payload in self._kept.values():
+        for header, payload, _ in self._kept.values():
             h = pb.Header()
             h.CopyFrom(header)
             try:

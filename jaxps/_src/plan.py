@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
+import sys
+import threading
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -156,15 +158,60 @@ def _fuse(names, members: list[Member], priorities) -> _Draft:
     return _Draft(f"fused:{digest}", label, 0, tuple(members), length, priority)
 
 
+#: Outputs of at least this many bytes are reused once no one else holds
+#: them: glibc maps arrays above 32 MiB afresh, and the kernel zeroes
+#: every page of each new one (17% of a worker's CPU at 64 MiB calls).
+REUSE_BYTES = 32 << 20
+
+
+class Outputs:
+    """Flat outputs of push_pulls, the large ones reused (one per runtime).
+
+    The last two made are kept per size and dtype. One is reused only when
+    nothing but this pool refers to it: the caller's results and every
+    view of them (the transports write the sums through views) hold a
+    reference.
+    """
+
+    def __init__(self, keep: int = 2):
+        self._keep = keep
+        self._pools: dict[tuple[int, str], list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def like(self, flat: np.ndarray) -> np.ndarray:
+        """A new output of `flat`'s size and dtype, or a large one reused."""
+        if flat.nbytes < REUSE_BYTES:
+            return np.empty_like(flat)
+        with self._lock:
+            pool = self._pools.setdefault((flat.size, flat.dtype.str), [])
+            for i in range(len(pool)):
+                # the pool's reference and getrefcount's own
+                if sys.getrefcount(pool[i]) == 2:
+                    return pool[i]
+            out = np.empty_like(flat)
+            pool.append(out)
+            del pool[: -self._keep]  # those still held are the caller's
+            return out
+
+    def pooled(self, out: np.ndarray) -> bool:
+        """Whether `out` (or the array it is a view of) is in the pool."""
+        base = out if out.base is None else out.base
+        with self._lock:
+            return any(base is p for pool in self._pools.values() for p in pool)
+
+
 def buffers(
-    pieces: Sequence[Piece], flats: Sequence[np.ndarray]
+    pieces: Sequence[Piece],
+    flats: Sequence[np.ndarray],
+    outputs: Outputs | None = None,
 ) -> tuple[list[Buffers], list[np.ndarray]]:
     """Lays out the flat arrays of a push_pull along its plan.
 
     A fused piece's payload gathers (copies) its members out of `flats`;
     its dest is a new array, and the output of each member is a view of
     it. A piece of one tensor pushes a view of the tensor's flat array and
-    its dest is a view of the tensor's output, a new array of its size.
+    its dest is a view of the tensor's output, a new array of its size
+    (or a large one of `outputs` that no one holds any more).
 
     Returns:
       The buffers of each piece, in plan order, and the flat output of
@@ -185,7 +232,11 @@ def buffers(
         else:
             ((t, lo, hi),) = piece.members
             if outs[t] is None:
-                outs[t] = np.empty_like(flats[t])
+                outs[t] = (
+                    np.empty_like(flats[t])
+                    if outputs is None
+                    else outputs.like(flats[t])
+                )
             laid_out.append(Buffers(flats[t][lo:hi], outs[t][lo:hi]))
     return laid_out, outs
 

@@ -228,6 +228,7 @@ class Runtime:
         self._join_epoch = 0  # joins completed
         self._seq = itertools.count()
         self._plans: dict = {}
+        self._outputs = plan.Outputs()
         self._transports: list[Transport] = []
         self._sender: Sender | None = None
         addresses = config.servers + config.colocated_servers
@@ -368,6 +369,7 @@ class Runtime:
         priorities: Sequence[int] | None = None,
         mode: str = "sync",
         call: str | None = None,
+        donate: bool = False,
     ) -> Handle:
         """Starts summing `arrays` over all workers; returns a `Handle`.
 
@@ -390,6 +392,9 @@ class Runtime:
           call: the name of the call, the same on every rank whatever its
             tree; default `plan.call_name(names)` (the ops layer's leaf
             names give the user's name and the device's shard).
+          donate: the caller never writes to `arrays` again, so the
+            runtime may keep them (for a re-push after a server restart)
+            instead of a copy.
         """
         if len(names) != len(arrays):
             raise ValueError(
@@ -428,7 +433,9 @@ class Runtime:
             pieces = self._plan(
                 wire_names, live_flats, tuple(priorities[i] for i in live)
             )
-            laid_out, live_outs = plan.buffers(pieces, live_flats)
+            laid_out, live_outs = plan.buffers(
+                pieces, live_flats, self._outputs
+            )
             counted = [p.wire_name for p in pieces]
             rounds = self._next_rounds(
                 counted if check is None else [*counted, check.wire_name]
@@ -469,7 +476,15 @@ class Runtime:
             transport = self._transports[
                 piece.server * self._channels + i % self._channels
             ]
-            chunk = Chunk(handle, source, dest, header, divisor, transport)
+            chunk = Chunk(
+                handle,
+                source,
+                dest,
+                header,
+                divisor,
+                transport,
+                private=donate or piece.fused,
+            )
             self._sender.put((-piece.priority, seq, i), chunk)
         return handle
 

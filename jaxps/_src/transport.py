@@ -54,6 +54,8 @@ class Chunk:
         of workers) where it does not say.
       nbytes: the payload's size, the credit it holds while pushed.
       transport: the transport of the server client it goes to.
+      private: whether `source` is the runtime's own (never written by
+        the caller), so failover may keep it instead of a copy.
     """
 
     __slots__ = (
@@ -65,6 +67,7 @@ class Chunk:
         "divisor",
         "nbytes",
         "transport",
+        "private",
     )
 
     def __init__(
@@ -75,6 +78,7 @@ class Chunk:
         header: pb.Header,
         divisor: int | None,
         transport: Transport,
+        private: bool = False,
     ):
         self.queued = _timeline.now()
         self.handle = handle
@@ -84,6 +88,7 @@ class Chunk:
         self.divisor = divisor
         self.nbytes = source.nbytes
         self.transport = transport
+        self.private = private
 
 
 class Credit(Protocol):

@@ -355,3 +355,39 @@ def test_each_server_client_gets_a_transport(start_servers):
             np.testing.assert_array_equal(got, 2.0)
         finally:
             rt.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["grpc", "tcp"])
+def test_large_outputs_are_reused_only_once_no_one_holds_them(
+    start_servers, transport
+):
+    from jaxps._src import plan
+
+    n = 2
+    servers = start_servers(1, n)
+    size = plan.REUSE_BYTES // 4  # float32: the smallest reused output
+
+    def fn(rt):
+        held = []
+        for step in range(4):  # every result is held: none may be reused
+            x = np.full(size, rt.rank + step, np.float32)
+            held.append(
+                rt.push_pull_async(
+                    ["x"], [x], average=False, donate=True
+                ).wait()[0]
+            )
+        pooled = []
+        for step in range(4):  # none held: they come from the pool
+            x = np.full(size, 10 * step + rt.rank, np.float32)
+            out = rt.push_pull_async(["x"], [x], average=False).wait()[0]
+            assert out[0] == out[-1] == 20 * step + 1, step
+            pooled.append(rt._outputs.pooled(out))
+        return held, pooled
+
+    for held, pooled in run_workers(
+        n, servers, fn, transport=transport, shm_bytes=0
+    ):
+        for step, out in enumerate(held):
+            assert out.min() == out.max() == 2 * step + 1, step
+        assert pooled[1:] == [True] * 3
