@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxps import errors
+from jaxps._src import plan
 from jaxps._src import runtime as runtime_module
 from jaxps._src.config import Config
 from jaxps._src.errors import MismatchError
@@ -362,8 +363,6 @@ def test_each_server_client_gets_a_transport(start_servers):
 def test_large_outputs_are_reused_only_once_no_one_holds_them(
     start_servers, transport
 ):
-    from jaxps._src import plan
-
     n = 2
     servers = start_servers(1, n)
     size = plan.REUSE_BYTES // 4  # float32: the smallest reused output
