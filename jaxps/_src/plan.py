@@ -1,6 +1,7 @@
 """The wire plan of one push_pull: which pieces go to which server.
 
-Large tensors are cut into chunks of at most `partition_bytes`; tensors that
+Large tensors are cut into equal chunks of at most `partition_bytes`, as
+many as the servers share evenly (`topology.balanced_count`); tensors that
 fit in a chunk are packed, per dtype and in order, into fused pieces of at
 most `partition_bytes`, so a model with many small tensors costs few calls.
 The plan depends only on the names, sizes and dtypes, so every worker makes
@@ -102,7 +103,9 @@ def make_plan(
 
     for t, (name, size, itemsize) in enumerate(zip(names, sizes, itemsizes)):
         if size * itemsize > partition_bytes:
-            ranges = topology.chunk_ranges(size, itemsize, partition_bytes)
+            ranges = topology.chunk_ranges(
+                size, itemsize, partition_bytes, weights
+            )
             for c, (lo, hi) in enumerate(ranges):
                 drafts.append(
                     _Draft(

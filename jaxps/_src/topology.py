@@ -7,6 +7,7 @@ and the same server for each key without talking to the others.
 from __future__ import annotations
 
 import hashlib
+import heapq
 from collections.abc import Sequence
 
 from jaxps.servers import _wire
@@ -19,11 +20,21 @@ def tensor_id(name: str) -> int:
 
 
 def chunk_ranges(
-    num_elements: int, itemsize: int, partition_bytes: int
+    num_elements: int,
+    itemsize: int,
+    partition_bytes: int,
+    weights: Sequence[float] = (),
 ) -> list[tuple[int, int]]:
-    """Splits ``num_elements`` into near-equal ranges of <= partition_bytes."""
+    """Splits ``num_elements`` into near-equal ranges of <= partition_bytes.
+
+    With server `weights`, a tensor of at least one chunk per server is cut
+    into the count, at most one more per server, that those servers share
+    best (see `balanced_count`).
+    """
     per_chunk = max(1, partition_bytes // itemsize)
     count = max(1, -(-num_elements // per_chunk))
+    if weights:
+        count = min(balanced_count(count, weights), max(num_elements, 1))
     if count > _wire.MAX_CHUNKS:
         raise ValueError(
             f"a tensor of {num_elements} elements needs {count} chunks of "
@@ -37,6 +48,44 @@ def chunk_ranges(
         ranges.append((start, stop))
         start = stop
     return ranges
+
+
+#: Tensors of more chunks per server than this are not rebalanced: their
+#: chunks are shared within 1/64 of the best already.
+_BALANCE_LIMIT = 64
+
+
+def balanced_count(count: int, weights: Sequence[float]) -> int:
+    """The number of equal chunks, from `count` to `count` + one per server,
+    whose busiest server (load / weight) is least loaded.
+
+    25 chunks on 4 equal servers put 7 on one (12% above the mean, and that
+    server's link sets the step time); 28 chunks, 11% smaller, put 7 on each.
+    A tensor of fewer chunks than servers, or of more than
+    `_BALANCE_LIMIT` per server, keeps `count`.
+    """
+    live = [w for w in weights if w > 0]
+    if not live or count < len(live) or count > _BALANCE_LIMIT * len(live):
+        return count
+    total = sum(live)
+    best, best_cost = count, float("inf")
+    for m in range(count, count + len(live) + 1):
+        cost = _busiest(m, live) * total / m  # 1.0: perfectly balanced
+        if cost < best_cost - 1e-9:
+            best, best_cost = m, cost
+    return best
+
+
+def _busiest(count: int, weights: list[float]) -> float:
+    """The largest load / weight after `assign_servers` places `count` equal
+    chunks (each goes where its load / weight after taking it is least)."""
+    heap = [(1 / w, s) for s, w in enumerate(weights)]
+    load = [0] * len(weights)
+    for _ in range(count):
+        _, s = heapq.heappop(heap)
+        load[s] += 1
+        heapq.heappush(heap, ((load[s] + 1) / weights[s], s))
+    return max(n / w for n, w in zip(load, weights))
 
 
 def assign_servers(

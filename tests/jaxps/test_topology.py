@@ -111,3 +111,31 @@ def test_ipv6_brackets_group_with_the_same_host():
     servers = ["[::1]:9000", "[::1]:9001", "[fd00::2]:9000"]
     assert topology.host_groups(servers) == [[0, 1], [2]]
     assert topology.host_weights(servers) == [0.5, 0.5, 1.0]
+
+
+@pytest.mark.parametrize(
+    "count, weights, expected",
+    [
+        (25, [1, 1, 1, 1], 28),  # 7 chunks on each, not 7 on one and 6
+        (24, [1, 1, 1, 1], 24),  # shared evenly already
+        (3, [1, 1, 1, 1], 3),  # fewer chunks than servers: left alone
+        (25, topology.mixed_mode_weights(4, 2), 30),  # 9, 9, 3, 3, 3, 3
+        (25, [1, 0, 1], 26),  # a server of weight 0 takes nothing
+        (1000, [1, 1, 1], 1000),  # > 64 per server: within 1/64 already
+    ],
+)
+def test_balanced_count_shares_a_tensor_evenly(count, weights, expected):
+    assert topology.balanced_count(count, weights) == expected
+
+
+def test_chunk_ranges_with_weights_balance_the_busiest_server():
+    elements = 25 * 250_000  # 25 MB of float32 in 1 MB partitions
+    plain = topology.chunk_ranges(elements, 4, 1_000_000)
+    ranges = topology.chunk_ranges(elements, 4, 1_000_000, [1, 1, 1, 1])
+    assert len(plain) == 25 and len(ranges) == 28
+    assert ranges[0][0] == 0 and ranges[-1][1] == elements
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    sizes = [hi - lo for lo, hi in ranges]
+    servers = topology.assign_servers(sizes, [1, 1, 1, 1])
+    load = [sum(b for b, s in zip(sizes, servers) if s == i) for i in range(4)]
+    assert max(load) - min(load) <= 1  # 6.25 MB each, not 7 MB on one
