@@ -492,6 +492,7 @@ def plan_link_bytes(
         [0],
         partition_bytes=partition,
         weights=weights,
+        hosts=topology.host_index(cpu, coloc),
     )
     share = [0] * len(weights)
     for piece in pieces:

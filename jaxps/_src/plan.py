@@ -95,8 +95,13 @@ def make_plan(
     *,
     partition_bytes: int,
     weights: list[float],
+    hosts: list[int] | tuple[int, ...] = (),
 ) -> list[Piece]:
-    """Cuts, fuses and assigns the tensors of one push_pull."""
+    """Cuts, fuses and assigns the tensors of one push_pull.
+
+    `hosts` is the host of each server (`topology.host_index`); without it
+    every server is its own host.
+    """
     drafts: list[_Draft] = []
     buckets: dict[str, list[Member]] = {}  # dtype -> the open bucket
     order: list[list[Member]] = []
@@ -104,7 +109,7 @@ def make_plan(
     for t, (name, size, itemsize) in enumerate(zip(names, sizes, itemsizes)):
         if size * itemsize > partition_bytes:
             ranges = topology.chunk_ranges(
-                size, itemsize, partition_bytes, weights
+                size, itemsize, partition_bytes, weights, hosts
             )
             for c, (lo, hi) in enumerate(ranges):
                 drafts.append(

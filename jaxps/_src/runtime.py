@@ -236,6 +236,9 @@ class Runtime:
         self.weights = topology.host_weights(
             config.servers, config.colocated_servers
         )
+        self.hosts = topology.host_index(
+            config.servers, config.colocated_servers
+        )
         max_message = config.partition_bytes + _wire.MESSAGE_OVERHEAD
         credentials = channel_credentials(config)
         # One id for this init: the servers put this worker's channels in
@@ -580,6 +583,7 @@ class Runtime:
                 list(priorities),
                 partition_bytes=self.config.partition_bytes,
                 weights=self.weights,
+                hosts=self.hosts,
             )
             self._plans[sig] = pieces
         return pieces

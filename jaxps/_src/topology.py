@@ -24,17 +24,18 @@ def chunk_ranges(
     itemsize: int,
     partition_bytes: int,
     weights: Sequence[float] = (),
+    hosts: Sequence[int] = (),
 ) -> list[tuple[int, int]]:
     """Splits ``num_elements`` into near-equal ranges of <= partition_bytes.
 
-    With server `weights`, a tensor of at least one chunk per server is cut
-    into the count, at most one more per server, that those servers share
-    best (see `balanced_count`).
+    With server `weights` (and the `hosts` they run on), a tensor of at
+    least one chunk per server is cut into the count, at most one more per
+    server, that those hosts share best (see `balanced_count`).
     """
     per_chunk = max(1, partition_bytes // itemsize)
     count = max(1, -(-num_elements // per_chunk))
     if weights:
-        count = min(balanced_count(count, weights), max(num_elements, 1))
+        count = min(balanced_count(count, weights, hosts), max(num_elements, 1))
     if count > _wire.MAX_CHUNKS:
         raise ValueError(
             f"a tensor of {num_elements} elements needs {count} chunks of "
@@ -55,37 +56,48 @@ def chunk_ranges(
 _BALANCE_LIMIT = 64
 
 
-def balanced_count(count: int, weights: Sequence[float]) -> int:
+def balanced_count(
+    count: int, weights: Sequence[float], hosts: Sequence[int] = ()
+) -> int:
     """The number of equal chunks, from `count` to `count` + one per server,
-    whose busiest server (load / weight) is least loaded.
+    whose busiest host (its load / its weight) is least loaded.
 
     25 chunks on 4 equal servers put 7 on one (12% above the mean, and that
     server's link sets the step time); 28 chunks, 11% smaller, put 7 on each.
-    A tensor of fewer chunks than servers, or of more than
-    `_BALANCE_LIMIT` per server, keeps `count`.
+    `hosts` gives the host of each server (default: one each): the processes
+    of one host share its NIC, so only their sum counts. A tensor of fewer
+    chunks than servers, or of more than `_BALANCE_LIMIT` per server, keeps
+    `count`.
     """
-    live = [w for w in weights if w > 0]
+    live = [s for s, w in enumerate(weights) if w > 0]
     if not live or count < len(live) or count > _BALANCE_LIMIT * len(live):
         return count
-    total = sum(live)
+    host_of = [hosts[s] if hosts else s for s in live]
+    total = sum(weights[s] for s in live)
     best, best_cost = count, float("inf")
     for m in range(count, count + len(live) + 1):
-        cost = _busiest(m, live) * total / m  # 1.0: perfectly balanced
-        if cost < best_cost - 1e-9:
+        cost = _busiest(m, [weights[s] for s in live], host_of) * total / m
+        if cost < best_cost - 1e-9:  # 1.0: perfectly balanced
             best, best_cost = m, cost
     return best
 
 
-def _busiest(count: int, weights: list[float]) -> float:
-    """The largest load / weight after `assign_servers` places `count` equal
-    chunks (each goes where its load / weight after taking it is least)."""
+def _busiest(count: int, weights: list[float], hosts: list[int]) -> float:
+    """The largest host load / host weight after `assign_servers` places
+    `count` equal chunks (each goes where its load / weight after taking it
+    is least)."""
     heap = [(1 / w, s) for s, w in enumerate(weights)]
     load = [0] * len(weights)
     for _ in range(count):
         _, s = heapq.heappop(heap)
         load[s] += 1
         heapq.heappush(heap, ((load[s] + 1) / weights[s], s))
-    return max(n / w for n, w in zip(load, weights))
+    host_load: dict[int, float] = {}
+    host_weight: dict[int, float] = {}
+    for s, h in enumerate(hosts):
+        host_load[h] = host_load.get(h, 0) + load[s]
+        host_weight[h] = host_weight.get(h, 0) + weights[s]
+    return max(host_load[h] / host_weight[h] for h in host_load)
 
 
 def assign_servers(
@@ -203,3 +215,17 @@ def host_weights(
         for i in group:
             weights[i] = share / len(group)
     return weights + list(coloc)
+
+
+def host_index(
+    servers: Sequence[str], colocated: Sequence[str] = ()
+) -> list[int]:
+    """The host of each of `servers`, then of `colocated`, as
+    `host_weights` counts them: CPU server processes on one host share an
+    index; each colocated server has its own."""
+    index = [0] * len(servers)
+    groups = host_groups(servers)
+    for h, group in enumerate(groups):
+        for i in group:
+            index[i] = h
+    return index + [len(groups) + i for i in range(len(colocated))]

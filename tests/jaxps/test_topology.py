@@ -139,3 +139,20 @@ def test_chunk_ranges_with_weights_balance_the_busiest_server():
     servers = topology.assign_servers(sizes, [1, 1, 1, 1])
     load = [sum(b for b, s in zip(sizes, servers) if s == i) for i in range(4)]
     assert max(load) - min(load) <= 1  # 6.25 MB each, not 7 MB on one
+
+
+def test_host_index_groups_processes_of_a_cpu_host():
+    servers = ["c0:9000", "c1:9000", "c0:9001", "c1:9001"]
+    coloc = ["w0:9000", "w1:9000"]
+    assert topology.host_index(servers, coloc) == [0, 1, 0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("count, expected", [(9, 10), (10, 10), (11, 12)])
+def test_balanced_count_balances_hosts_not_processes(count, expected):
+    # 2 hosts of 4 processes: only each host's sum loads its NIC, so 9
+    # chunks become 10 (5 per host), not 16 (2 per process).
+    servers = [f"c{h}:{9000 + p}" for p in range(4) for h in range(2)]
+    w = topology.host_weights(servers)
+    hosts = topology.host_index(servers)
+    assert topology.balanced_count(count, w) == 16
+    assert topology.balanced_count(count, w, hosts) == expected
