@@ -29,13 +29,14 @@ server namespaces and one colocated server in each worker namespace. With
 processes of a namespace as one host, and so does the plan column). Every
 timed repetition starts with a barrier (a 4-byte push_pull), its time is the
 slowest worker's, and the table shows the median over ``--repeats`` after
-one warm-up. jaxps's partitions (``--partition-kib``) default to 8 ms of
-link time (96 KiB at 100 Mbit/s, 976 KiB at 1 Gbit/s): its own 4 MiB
-default splits 25 MB into 6 chunks, which 4 servers cannot balance, and
-pipelines too coarsely on slow links, while small chunks cost CPU per chunk
-on fast ones (the sweep is in benchmarks/README.md). Links have an MTU of 9000
-(``--mtu``): at 1500 the headers alone cost 4.4% of every link, which the
-formula does not count; the ring runs on the same links.
+one warm-up. jaxps's partitions (``--partition-kib``) default to 2 ms of
+link time (24 KiB at 100 Mbit/s, 244 KiB at 1 Gbit/s; jaxps' own 4 MiB
+default is 2 ms at about 16 Gbit/s): larger chunks pipeline too coarsely
+(each waits for its whole push before its pull), smaller ones cost CPU per
+chunk (the sweep across link rates is in benchmarks/README.md). Links
+have an MTU of 9000 (``--mtu``): at 1500 the headers alone cost 4.4% of
+every link, which the formula does not count; the ring runs on the same
+links.
 ``--cleanup`` deletes leftover ``jxb-`` namespaces of a killed run (a normal
 run always deletes its own). Results and their analysis: "Emulated cluster"
 in benchmarks/README.md.
@@ -68,8 +69,8 @@ QUICK = {"mb": 4.0, "repeats": 1, "configs": "4,2"}
 BASE_PORT = 9000
 SERVER_START_TIMEOUT = 90.0
 JAXPS_TIMEOUT = 120  # JAXPS_TIMEOUT of the workers, --round-timeout
-#: Default partition: this much link time (8 ms: 96 KiB at 100 Mbit/s).
-PARTITION_SECONDS = 0.008
+#: Default partition: this much link time (2 ms: 24 KiB at 100 Mbit/s).
+PARTITION_SECONDS = 0.002
 GOODPUT_BYTES = 8_000_000
 GOODPUT_SKIP = 1_000_000  # excluded from the goodput: the tbf burst
 
@@ -725,8 +726,8 @@ def parse_args(argv):
         "--partition-kib",
         type=int,
         default=None,
-        help="jaxps partition size, KiB (default: 8 ms at the link rate, "
-        "e.g. 96 at 100 Mbit/s; jaxps' own default is 4096)",
+        help="jaxps partition size, KiB (default: 2 ms at the link rate, "
+        "e.g. 24 at 100 Mbit/s; jaxps' own default is 4096)",
     )
     p.add_argument(
         "--server-processes",
@@ -812,7 +813,7 @@ def parse_args(argv):
         p.error("--mb and --rate-mbit must be > 0 and --repeats >= 1")
     if args.partition_kib is None:
         args.partition_kib = max(
-            64, round(args.rate_mbit * 1e6 / 8 * PARTITION_SECONDS / 1024)
+            16, round(args.rate_mbit * 1e6 / 8 * PARTITION_SECONDS / 1024)
         )
     if args.partition_kib < 1:
         p.error("--partition-kib must be >= 1")
