@@ -40,7 +40,13 @@ ENV = {
     "shm_bytes": "JAXPS_SHM_BYTES",
     "transport": "JAXPS_TRANSPORT",
     "recovery_window": "JAXPS_RECOVERY_WINDOW",
+    "credit_bytes": "JAXPS_CREDIT_BYTES",
 }
+
+#: Default credit, in partitions: enough to keep every link busy, few enough
+#: that the workers push the same chunks at about the same time, so each
+#: chunk's sum completes, and its pull overlaps the next pushes, early.
+CREDIT_PARTITIONS = 4
 
 #: Values of `Config.transport`.
 TRANSPORTS = ("auto", "shm", "tcp", "grpc")
@@ -64,7 +70,8 @@ class Config:
       timeout: seconds any wait may take (connect, a round, a pull) before it
         fails naming what it waited for.
       credit_bytes: bytes being pushed at once, to all servers together;
-        chunks take credit in priority order.
+        chunks take credit in priority order. ``None``: 4 partitions
+        (`CREDIT_PARTITIONS` x `partition_bytes`).
       token: shared secret sent with every call (servers run with --token).
       tls_ca: PEM file of the CA that signed the servers' certificates;
         setting it makes the worker connect over TLS.
@@ -97,7 +104,7 @@ class Config:
     job_id: str = "jaxps"
     partition_bytes: int = DEFAULT_PARTITION_BYTES
     timeout: float = 60.0
-    credit_bytes: int = 4 * DEFAULT_PARTITION_BYTES
+    credit_bytes: int | None = None
     token: str | None = dataclasses.field(default=None, repr=False)
     tls_ca: str | None = None
     tls_cert: str | None = None
@@ -118,6 +125,9 @@ class Config:
             )
         _check_int("generation", self.generation, low=0)
         _check_int("partition_bytes", self.partition_bytes, low=8)
+        if self.credit_bytes is None:
+            credit = CREDIT_PARTITIONS * self.partition_bytes
+            object.__setattr__(self, "credit_bytes", credit)
         _check_int("credit_bytes", self.credit_bytes, low=1)
         _check_int("shm_bytes", self.shm_bytes, low=0)
         if self.transport not in TRANSPORTS:

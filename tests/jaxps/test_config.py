@@ -9,6 +9,18 @@ def test_defaults():
     cfg = Config()
     assert cfg.servers == () and cfg.num_workers == 1
     assert cfg.partition_bytes == 4 * 1024 * 1024
+    assert cfg.credit_bytes == 4 * cfg.partition_bytes
+
+
+def test_credit_follows_the_partition_unless_given():
+    assert Config(partition_bytes=1000).credit_bytes == 4000
+    env = {"JAXPS_PARTITION_BYTES": "2048"}
+    assert Config.from_env(env).credit_bytes == 8192
+    env["JAXPS_CREDIT_BYTES"] = "5000"
+    assert Config.from_env(env).credit_bytes == 5000
+    assert Config.from_env(env, credit_bytes=7).credit_bytes == 7
+    with pytest.raises(errors.ConfigError, match="credit_bytes must be"):
+        Config(credit_bytes=0)
 
 
 def test_environment_and_precedence():
