@@ -389,6 +389,7 @@ class Bench:
                         "JAXPS_TIMEOUT": str(JAXPS_TIMEOUT),
                         "JAXPS_JOB_ID": label,
                         "JAXPS_PARTITION_BYTES": str(self.args.partition_bytes),
+                        "JAXPS_TRANSPORT": self.args.transport,
                     }
                 )
                 argv = child_argv(
@@ -585,6 +586,8 @@ def print_report(args, cluster, goodput, rows, ring, cpu) -> None:
     )
     print(
         f"M = {m / 1e6:g} MB float32, partition {args.partition_bytes} B, "
+        f"credit {args.credit_bytes or 4 * args.partition_bytes} B, "
+        f"transport {args.transport}, "
         f"{args.server_processes} process(es) per CPU server, "
         f"median of {args.repeats} after 1 warm-up; seconds\n"
     )
@@ -742,7 +745,14 @@ def parse_args(argv):
         type=int,
         default=0,
         help="jaxps bytes being pushed at once, to all servers together, "
-        "KiB (default: jaxps' own, 4 x 4 MiB)",
+        "KiB (default: jaxps' own, 4 partitions)",
+    )
+    p.add_argument(
+        "--transport",
+        choices=("auto", "tcp", "grpc"),
+        default="auto",
+        help="JAXPS_TRANSPORT of the workers: auto (jaxps' default, the "
+        "data channel to other hosts) or grpc (payloads in gRPC messages)",
     )
     p.add_argument(
         "--queue-ms",
