@@ -94,7 +94,7 @@ LABELS = {
     "psum": "JAX psum (gloo)",
 }
 #: --cluster partitions: this much link time, as cluster.py's default
-PARTITION_SECONDS = 0.008
+PARTITION_SECONDS = 0.002
 ROOT_PID = "TRAIN_ROOT_PID"  # job cores: this pid and its descendants
 BARRIER = "TRAIN_BARRIER"  # DIR:N, the compute xN jobs start together
 
@@ -183,7 +183,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         default=0,
         help="JAXPS_PARTITION_BYTES in KiB (default: jaxps' own on "
-        "loopback, 8 ms of link time with --cluster)",
+        "loopback, 2 ms of link time with --cluster)",
+    )
+    p.add_argument(
+        "--credit-kib",
+        type=int,
+        default=0,
+        help="JAXPS_CREDIT_BYTES in KiB (default: jaxps' own, 4 partitions)",
     )
     p.add_argument(
         "--bucket-kib",
@@ -694,6 +700,8 @@ def run(args, model: str, workers: int, path: str) -> dict:
         env = dict(base_env(args), JAXPS_TRACE_DIR=tmp)
         if args.partition_kib:
             env["JAXPS_PARTITION_BYTES"] = str(args.partition_kib * 1024)
+        if args.credit_kib:
+            env["JAXPS_CREDIT_BYTES"] = str(args.credit_kib * 1024)
         args.model_name = model
         began = time.monotonic()
         if path == "psum":
@@ -1046,7 +1054,8 @@ def drive(args) -> int:
             f"; partition {args.partition_kib} KiB"
             if args.partition_kib
             else ""
-        ),
+        )
+        + (f"; credit {args.credit_kib} KiB" if args.credit_kib else ""),
         flush=True,
     )
     failed = False
