@@ -43,9 +43,10 @@ ENV = {
     "credit_bytes": "JAXPS_CREDIT_BYTES",
 }
 
-#: Default credit, in partitions: enough to keep every link busy, few enough
-#: that the workers push the same chunks at about the same time, so each
-#: chunk's sum completes, and its pull overlaps the next pushes, early.
+#: Default credit, in partitions: enough to keep the worker's link busy (a
+#: chunk's credit comes back when the server has it), few enough that the
+#: workers push the same chunks at about the same time, so each chunk's sum
+#: completes early and its pull overlaps the next pushes.
 CREDIT_PARTITIONS = 4
 
 #: Values of `Config.transport`.
