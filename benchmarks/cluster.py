@@ -572,6 +572,10 @@ def print_report(args, cluster, goodput, rows, ring, cpu) -> None:
 
     bandwidth = cluster.rate_bytes
     m = args.elements * 4
+    credit = jaxps.Config(  # the workers' credit, by jaxps' own rule
+        partition_bytes=args.partition_bytes,
+        credit_bytes=args.credit_bytes or None,
+    ).credit_bytes
     print(f"\n## jaxps on an emulated cluster ({time.strftime('%Y-%m-%d')})\n")
     print(
         f"machine: {os.cpu_count()} cores, {platform.machine()}, Linux "
@@ -586,7 +590,7 @@ def print_report(args, cluster, goodput, rows, ring, cpu) -> None:
     )
     print(
         f"M = {m / 1e6:g} MB float32, partition {args.partition_bytes} B, "
-        f"credit {args.credit_bytes or 4 * args.partition_bytes} B, "
+        f"credit {credit} B, "
         f"transport {args.transport}, "
         f"{args.server_processes} process(es) per CPU server, "
         f"median of {args.repeats} after 1 warm-up; seconds\n"
