@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import io_callback
 
 from jaxps._src import errors, jit_errors, naming, state
+from jaxps.ops import _callback
 from jaxps.ops._push_pull import push_pull
 
 
@@ -125,11 +125,10 @@ def _exchange(spec: _Spec, leaves):
     roots, words = summed[: spec.size], summed[spec.size :]
     if isinstance(roots, jax.core.Tracer):
         # Under jit: checked when the program runs; the words wait for it.
-        words = words + io_callback(
+        words = words + _callback.call(
             jit_errors.in_callback(functools.partial(_check_roots, spec.name)),
             jax.ShapeDtypeStruct((), jnp.int32),
             roots,
-            ordered=False,
         )
     else:
         _check_roots(spec.name, roots)

@@ -18,12 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import io_callback
 from jax.extend import core as jex_core
 
 from jaxps._src import jit_errors, naming, plan, state
-from jaxps.ops import _host
-from jaxps.ops._push_pull import leaf_names
+from jaxps.ops import _callback, _host, _sharded
+from jaxps.ops._push_pull import gathered, leaf_names, local_piece, push_pull
 
 
 def _start(names, average, priorities, mode, shard, *grads):
@@ -74,20 +73,16 @@ def _tap_bwd(spec, _, cotangents):
     shard, pushed = jnp.int32(0), list(cotangents)
     if axis_name is not None:  # this device pushes its 1/L of the local sum
         shard = lax.axis_index(axis_name).astype(jnp.int32)
-        local = lax.axis_size(axis_name)
-        pushed = [
-            lax.psum_scatter(_padded(c, local), axis_name, tiled=True)
-            for c in cotangents
-        ]
+        pushed = [local_piece(c, axis_name) for c in cotangents]
         # the runtime divides by the ranks that pushed; _collect by local
-    ticket = io_callback(
+    ticket = _callback.call(
         jit_errors.in_callback(
             functools.partial(_start, names, average, priorities, "sync")
         ),
         jax.ShapeDtypeStruct((), jnp.float32),
         shard,
         *pushed,
-        ordered=False,
+        per_device=names[0],
     )
     return tuple(jnp.zeros_like(c) for c in cotangents), ticket
 
@@ -166,6 +161,7 @@ def value_and_grad(
     priorities=None,
     axis_name=None,
     bucket_bytes: int = 1 << 20,
+    mesh=None,
 ):
     """`jax.value_and_grad` whose gradients are summed over the workers.
 
@@ -187,6 +183,11 @@ def value_and_grad(
     devices in the backward pass, each device pushes its own shard, and the
     sums are all-gathered back (as `push_pull`'s hierarchical path).
 
+    Under a `jax.jit` sharded over a mesh of the host's devices (see
+    `push_pull`'s `mesh`), the gradients are computed whole, then pushed
+    as `push_pull` does on a mesh (each device its own slice): the push
+    does not overlap the backward pass there.
+
     Not covered (use `DistributedOptimizer`): ``backward_passes_per_step``
     (local accumulation) and compression.
 
@@ -206,6 +207,7 @@ def value_and_grad(
         buckets of about this many bytes; a bucket's push starts once all
         of its gradients are complete. Small buckets start sooner, but
         every push costs CPU (a host callback, a round per server).
+      mesh: the mesh of a sharded `jax.jit`, as `push_pull`'s.
 
     Returns:
       A function with `fun`'s arguments that returns ``(value, grads)``
@@ -239,6 +241,21 @@ def value_and_grad(
         base = name if name is not None else naming.default_name("grads")
         target = args[argnums]
         nnx = sys.modules.get("flax.nnx")
+        if axis_name is None:
+            _sharded.check_manual((base,), axis_name)
+            host_mesh = _sharded.mesh_of(_param_leaves(nnx, target), mesh)
+            if host_mesh is not None:
+                grad = jax.value_and_grad
+                if nnx is not None and isinstance(target, nnx.Module):
+                    grad = nnx.value_and_grad
+                value, grads = grad(fun, argnums, has_aux)(*args, **kwargs)
+                return value, push_pull(
+                    grads,
+                    average=average,
+                    name=base,
+                    priorities=priorities,
+                    mesh=host_mesh,
+                )
         if nnx is not None and isinstance(target, nnx.Module):
             return _module_value_and_grad(
                 nnx,
@@ -280,6 +297,12 @@ def value_and_grad(
         return value, _collect(grads, tickets, buckets, average, axis_name)
 
     return wrapped
+
+
+def _param_leaves(nnx, target):
+    if nnx is not None and isinstance(target, nnx.Module):
+        return jax.tree.leaves(nnx.state(target, nnx.Param))
+    return jax.tree.leaves(target)
 
 
 def _specs(tree, base, priorities, order):
@@ -332,11 +355,8 @@ def _collect(grads, tickets, buckets, average, axis_name):
     if not buckets:
         return grads
     sums = iter(
-        io_callback(
-            jit_errors.in_callback(_done_all),
-            tuple(pushed),
-            *tickets,
-            ordered=False,
+        _callback.call(
+            jit_errors.in_callback(_done_all), tuple(pushed), *tickets
         )
     )
     outs = list(leaves)  # empty leaves stay as they are
@@ -346,7 +366,7 @@ def _collect(grads, tickets, buckets, average, axis_name):
             if axis_name is not None:
                 if average:
                     out = out / jnp.asarray(local, out.dtype)
-                out = lax.all_gather(out, axis_name, tiled=True)
+                out = gathered(out, axis_name)
                 out = out[: leaves[i].size].reshape(leaves[i].shape)
             outs[i] = out
     return treedef.unflatten(outs)

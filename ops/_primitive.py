@@ -23,12 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import effects
-from jax.experimental import io_callback
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jaxps._src import jit_errors
-from jaxps.ops import _host
+from jaxps.ops import _callback, _host, _sharded
 
 
 class PushPullEffect(effects.Effect):
@@ -78,7 +77,9 @@ def _abstract_eval(*avals, names, average, priorities, mode):
             f"push_pull shard index must be an int32 scalar, got "
             f"{shard.dtype}{list(shard.shape)}."
         )
-    return [jax.core.ShapedArray(a.shape, a.dtype) for a in arrays], {_EFFECT}
+    # same shape, dtype and sharding; varying over the same manual axes as
+    # each operand (for shard_map's check_vma)
+    return [a.update(weak_type=False) for a in arrays], {_EFFECT}
 
 
 def _impl(*args, names, average, priorities, mode):
@@ -96,18 +97,18 @@ def _impl(*args, names, average, priorities, mode):
 
 def _callbacks(*args, names, average, priorities, mode):
     *arrays, shard = args
-    ticket = io_callback(
+    ticket = _callback.call(
         jit_errors.in_callback(
             functools.partial(_host.start, names, average, priorities, mode)
         ),
         jax.ShapeDtypeStruct((), jnp.int32),
         shard,
         *arrays,
-        ordered=False,
     )
     results = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
-    done = jit_errors.in_callback(_host.done)
-    return list(io_callback(done, results, ticket, ordered=False))
+    return list(
+        _callback.call(jit_errors.in_callback(_host.done), results, ticket)
+    )
 
 
 def _suffixed(names, suffix):
@@ -185,9 +186,23 @@ def _batch(args, dims, *, names, average, priorities, mode):
 
 push_pull_p.def_impl(_impl)
 push_pull_p.def_effectful_abstract_eval(_abstract_eval)
-mlir.register_lowering(
-    push_pull_p, mlir.lower_fun(_callbacks, multiple_results=True)
-)
+
+
+def _lowering(ctx, *args, **params):
+    mesh = _sharded.lowering_mesh(ctx)
+    if mesh is None:
+        lower = _callbacks
+    else:  # a jit over several devices, traced without a mesh
+
+        def lower(*args, names, average, priorities, mode):
+            return _sharded.push_pull(
+                args[:-1], names, priorities, average, mode, mesh
+            )
+
+    return mlir.lower_fun(lower, multiple_results=True)(ctx, *args, **params)
+
+
+mlir.register_lowering(push_pull_p, _lowering)
 ad.primitive_jvps[push_pull_p] = _jvp
 ad.primitive_transposes[push_pull_p] = _transpose
 batching.primitive_batchers[push_pull_p] = _batch

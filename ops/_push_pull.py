@@ -7,9 +7,10 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import config
 
 from jaxps._src import naming, state
-from jaxps.ops import _primitive
+from jaxps.ops import _primitive, _sharded
 
 
 def leaf_names(tree, name: str) -> tuple[str, ...]:
@@ -30,12 +31,16 @@ def push_pull(
     axis_name=None,
     priorities=None,
     mode: str = "sync",
+    mesh=None,
 ):
     """Sums (or averages) every leaf of `tree` over all workers.
 
     Works eagerly and under `jax.jit`, `jax.grad` (it is linear), `jax.vmap`,
-    `jax.shard_map` and `jax.pmap`. Inside shard_map or pmap, pass the local
-    device axis as `axis_name`: the leaves are first reduce-scattered over
+    `jax.shard_map` and `jax.pmap`. Under a `jax.jit` sharded over a mesh
+    of the host's devices (see `mesh`), each device pushes its own slice of
+    the host's sum and the results keep their sharding. Inside shard_map or
+    pmap, pass the local device axis as `axis_name`: the leaves are first
+    reduce-scattered over
     the local devices, each device pushes its own shard, and the sums are
     all-gathered back, so every device ends up with the global result.
 
@@ -54,12 +59,18 @@ def push_pull(
         so that two push_pulls of one step never collide (see README,
         "Names").
       axis_name: the shard_map / pmap axis of the local devices, or None.
+        Required inside a shard_map or pmap over more than one device.
       priorities: one int per leaf; higher goes out first. Default: leaves
         earlier in the tree first.
       mode: ``"sync"`` (the servers sum) or ``"async"`` (servers started
         with ``--async``, which hold parameters: each push is added into
         them and the pull returns the latest; `AsyncDistributedOptimizer`
         uses it). A mode that does not match the servers' is an error.
+      mesh: the `jax.sharding.Mesh` of this host's devices that a sharded
+        `jax.jit` runs on. Default: the mesh of the leaves' shardings (where
+        its axes are explicit), else the mesh in context (`jax.set_mesh`).
+        On a mesh, each device pushes only its own slice of the (already
+        host-reduced) leaves, and the sums keep the leaves' sharding.
 
     Returns:
       A pytree like `tree` with the sums (or means).
@@ -78,6 +89,8 @@ def push_pull(
         name = naming.default_name("push_pull")
     names = leaf_names(tree, name)
     runtime.check_mode(names, mode)  # at trace time, not inside a callback
+    if axis_name is None:
+        _sharded.check_manual(names, axis_name)
     if priorities is None:
         priorities = [-i for i in range(len(leaves))]
     priorities = tuple(int(p) for p in priorities)
@@ -99,7 +112,19 @@ def push_pull(
         live_leaves = [leaves[i] for i in live]
         live_names = tuple(names[i] for i in live)
         live_priorities = tuple(priorities[i] for i in live)
+        host_mesh = None
         if axis_name is None:
+            host_mesh = _sharded.mesh_of(live_leaves, mesh)
+        if host_mesh is not None:
+            sums = _sharded.push_pull(
+                live_leaves,
+                live_names,
+                live_priorities,
+                average,
+                mode,
+                host_mesh,
+            )
+        elif axis_name is None:
             sums = _primitive.bind(
                 live_leaves,
                 jnp.int32(0),
@@ -122,17 +147,46 @@ def push_pull(
     return jax.tree_util.tree_unflatten(treedef, outs)
 
 
+def _varying(x) -> frozenset:
+    """The manual axes along which `x` varies (its type's vma)."""
+    aval = jax.typeof(x)
+    found = getattr(aval, "vma", None)  # jax >= 0.11
+    if found is None:  # jax 0.10: the manual axis type's varying axes
+        found = aval.mat.varying
+    return frozenset(found)
+
+
+def local_piece(x, axis_name):
+    """This device's 1/L of `x` summed over the local devices, flat.
+
+    A varying `x` (each device's own value) is reduce-scattered. An
+    invariant one, which shard_map's check_vma (the default) knows to be
+    the same on every device, is already that sum: the gradient of a
+    replicated input comes out of `jax.grad` summed over the axis. It is
+    sliced, not summed again.
+    """
+    local = lax.axis_size(axis_name)
+    flat = jnp.ravel(x)
+    flat = jnp.pad(flat, (0, -flat.size % local))
+    if not config._check_vma.value or axis_name in _varying(flat):
+        return lax.psum_scatter(flat, axis_name, tiled=True)
+    width = flat.size // local
+    start = lax.axis_index(axis_name) * width
+    return lax.dynamic_slice_in_dim(flat, start, width)
+
+
+def gathered(piece, axis_name):
+    """The pieces of every local device, concatenated, on every device."""
+    if config._check_vma.value and axis_name not in _varying(piece):
+        piece = lax.pcast(piece, axis_name, to="varying")
+    return lax.all_gather(piece, axis_name, tiled=True, to="invarying")
+
+
 def _hierarchical(leaves, names, priorities, axis_name, average, mode):
     local = lax.axis_size(axis_name)
     index = lax.axis_index(axis_name).astype(jnp.int32)
-    shards, pads = [], []
-    for leaf in leaves:
-        flat = jnp.ravel(leaf)
-        pad = -flat.size % local
-        if pad:
-            flat = jnp.pad(flat, (0, pad))
-        shards.append(lax.psum_scatter(flat, axis_name, tiled=True))
-        pads.append(pad)
+    shards = [local_piece(leaf, axis_name) for leaf in leaves]
+    pads = [-math.prod(jnp.shape(leaf)) % local for leaf in leaves]
     sums = _primitive.bind(
         shards,
         index,
@@ -145,7 +199,7 @@ def _hierarchical(leaves, names, priorities, axis_name, average, mode):
     for leaf, total, pad in zip(leaves, sums, pads):
         if average:
             total = total / jnp.asarray(local, total.dtype)
-        full = lax.all_gather(total, axis_name, tiled=True)
+        full = gathered(total, axis_name)
         if pad:
             full = full[: full.size - pad]
         outs.append(full.reshape(jnp.shape(leaf)))

@@ -61,6 +61,7 @@ def sync_gradients(
     axis_name=None,
     name: str | None = None,
     compression: Compression | None = None,
+    mesh=None,
 ) -> optax.GradientTransformation:
     """Replaces the gradients by their mean (or sum) over all workers.
 
@@ -86,6 +87,8 @@ def sync_gradients(
       name: push_pull name of the gradients. Default: derived from where
         `update` is called, unique within a jitted step.
       compression: a `jaxps.compression` scheme for the wire (it averages).
+      mesh: the host mesh of a sharded `jax.jit` (see `jaxps.push_pull`);
+        by default found from the gradients or the context.
 
     Returns:
       An `optax.GradientTransformation`.
@@ -112,7 +115,11 @@ def sync_gradients(
         if compression is not None:
             return compression.reduce(grads, comp_state, wire_name)
         mean = push_pull(
-            grads, average=average, name=wire_name, axis_name=axis_name
+            grads,
+            average=average,
+            name=wire_name,
+            axis_name=axis_name,
+            mesh=mesh,
         )
         return mean, comp_state
 
@@ -152,6 +159,7 @@ def DistributedOptimizer(  # noqa: N802 - the name users know from BytePS
     axis_name=None,
     name: str | None = None,
     compression: Compression | None = None,
+    mesh=None,
 ) -> optax.GradientTransformation:
     """Wraps an optax optimizer so that it sees the workers' mean gradient.
 
@@ -178,6 +186,8 @@ def DistributedOptimizer(  # noqa: N802 - the name users know from BytePS
         `update` is called, unique within a jitted step (two optimizers
         in one step do not collide).
       compression: a `jaxps.compression` scheme for the wire (it averages).
+      mesh: the host mesh of a sharded `jax.jit` (see `jaxps.push_pull`);
+        by default found from the gradients or the context.
 
     Returns:
       An `optax.GradientTransformation`.
@@ -199,6 +209,7 @@ def DistributedOptimizer(  # noqa: N802 - the name users know from BytePS
             axis_name=axis_name,
             name=name,
             compression=compression,
+            mesh=mesh,
         ),
         inner,
     )

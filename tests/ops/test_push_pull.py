@@ -32,16 +32,25 @@ ALL = [
 
 
 def start_ranks(
-    script, args, addresses, num_workers, cwd, *, timeout, jaxps_timeout=30
+    script,
+    args,
+    addresses,
+    num_workers,
+    cwd,
+    *,
+    timeout,
+    jaxps_timeout=30,
+    devices=4,
 ):
     """Runs ``python script *args`` once per rank of a job on the servers at
-    `addresses`; returns each rank's (exit code, output)."""
+    `addresses`, each rank with `devices` forced CPU devices; returns each
+    rank's (exit code, output)."""
     env = dict(
         os.environ,
         JAXPS_SERVERS=",".join(addresses),
         JAXPS_NUM_WORKERS=str(num_workers),
         JAXPS_TIMEOUT=str(jaxps_timeout),
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
     )
     procs = [
         subprocess.Popen(
@@ -93,10 +102,17 @@ def assert_check_ok(results, check):
 
 
 def run_job(
-    servers, num_workers, names, tmp_path, timeout=240, script=SCENARIOS
+    servers,
+    num_workers,
+    names,
+    tmp_path,
+    timeout=240,
+    script=SCENARIOS,
+    devices=4,
 ):
-    """Runs the checks `names` of `script` on every rank; asserts that each
-    rank printed ``ok NAME`` for all of them."""
+    """Runs the checks `names` of `script` on every rank (with `devices`
+    forced CPU devices); asserts that each rank printed ``ok NAME`` for all
+    of them."""
     results = start_ranks(
         script,
         names,
@@ -104,6 +120,7 @@ def run_job(
         num_workers,
         tmp_path,
         timeout=timeout,
+        devices=devices,
     )
     failed = [
         f"rank {rank} (exit code {code}):\n{out}"

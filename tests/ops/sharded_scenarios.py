@@ -1,0 +1,354 @@
+"""One jaxps worker on a host of several devices; started once per rank.
+
+Run by test_sharded.py as ``python sharded_scenarios.py NAME...`` with the
+JAXPS_* environment of a job and XLA_FLAGS forcing L CPU devices. The model
+is of realistic size (a 1024x1024 layer: 4 MiB of gradient), the size at
+which host callbacks beside collectives used to deadlock. Every check
+compares with one process that trains on the whole batch, without jaxps,
+and prints ``ok NAME``.
+"""
+
+import contextlib
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxps
+from jaxps.ops import _host
+
+WIDTH = int(os.environ.get("WIDTH", "1024"))
+STEPS = 3
+RTOL, ATOL = 2e-4, 2e-6
+
+pushed: list[tuple[int, int]] = []  # (shard, bytes) of each device's start
+_start = _host.start
+
+
+def _recorded(names, average, priorities, mode, shard, *arrays, **kwargs):
+    pushed.append((int(shard), sum(a.nbytes for a in arrays)))
+    return _start(names, average, priorities, mode, shard, *arrays, **kwargs)
+
+
+_host.start = _recorded
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    params = {
+        "w": rng.standard_normal((WIDTH, WIDTH)).astype(np.float32) * 0.03,
+        "b": np.zeros(WIDTH, np.float32),
+    }
+    x = rng.standard_normal((8 * jax.device_count() * jaxps.size(), WIDTH))
+    return params, x.astype(np.float32)
+
+
+def _loss(params, x):
+    return jnp.mean(jnp.tanh(x @ params["w"] + params["b"]) ** 2)
+
+
+def _mine(x):
+    return x[jaxps.rank() :: jaxps.size()]
+
+
+def _reference(params, x):
+    """STEPS of sgd on the whole batch, one process, no jaxps."""
+    tx = optax.sgd(0.5)
+    state = tx.init(params)
+
+    @jax.jit
+    def step(params, state):
+        grads = jax.grad(_loss)(params, x)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    for _ in range(STEPS):
+        params, state = step(params, state)
+    return params
+
+
+def _assert_close(actual, expected):
+    for key in expected:
+        np.testing.assert_allclose(
+            np.asarray(actual[key]),
+            np.asarray(expected[key]),
+            rtol=RTOL,
+            atol=ATOL,
+            err_msg=key,
+        )
+
+
+def _assert_sharding_kept(out, placed):
+    for key in placed:
+        a, b = out[key].sharding, placed[key].sharding
+        assert a.is_equivalent_to(b, out[key].ndim), (key, a, b)
+
+
+def _assert_slices(total_bytes):
+    """Each device pushed its own 1/L of the bytes, once per step."""
+    devices = jax.device_count()
+    shards = sorted({s for s, _ in pushed})
+    assert shards == list(range(devices)), shards
+    for shard in shards:
+        sizes = [b for s, b in pushed if s == shard]
+        # a slice is padded up to a multiple of the device count
+        assert max(sizes) <= total_bytes // devices + 4 * devices, sizes
+    assert sum(b for _, b in pushed) >= total_bytes * STEPS
+    pushed.clear()
+
+
+def _mesh(kind):
+    axis_type = AxisType.Explicit if kind == "explicit" else AxisType.Auto
+    return jax.make_mesh(
+        (jax.device_count(),), ("data",), axis_types=(axis_type,)
+    )
+
+
+def _train(kind, make_step):
+    """STEPS of `make_step`'s step on this rank's half of the batch, on a
+    mesh of `kind`: explicit axes, Auto axes in context (jax.set_mesh), or
+    Auto axes not in context (found at lowering)."""
+    params, x = _data()
+    mesh = _mesh(kind)
+    placed = jax.device_put(params, NamedSharding(mesh, P()))
+    batch = jax.device_put(_mine(x), NamedSharding(mesh, P("data")))
+    step, state = make_step(placed)
+    pushed.clear()
+    out = placed
+    with jax.set_mesh(mesh) if kind == "set_mesh" else contextlib.nullcontext():
+        for _ in range(STEPS):
+            out, state = step(out, state, batch)
+    _assert_close(out, _reference(params, x))
+    _assert_sharding_kept(out, placed)
+    _assert_slices(sum(v.nbytes for v in params.values()))
+    return out
+
+
+def _optimizer_step(params):
+    tx = jaxps.DistributedOptimizer(optax.sgd(0.5), name="opt")
+
+    @jax.jit
+    def step(params, state, x):
+        grads = jax.grad(_loss)(params, x)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step, tx.init(params)
+
+
+def _value_and_grad_step(params):
+    tx = optax.sgd(0.5)
+
+    @jax.jit
+    def step(params, state, x):
+        _, grads = jaxps.value_and_grad(_loss, name="vg")(params, x)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step, tx.init(params)
+
+
+def _push_pull_step(params):
+    tx = optax.sgd(0.5)
+
+    @jax.jit
+    def step(params, state, x):
+        grads = jaxps.push_pull(jax.grad(_loss)(params, x), name="pp")
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step, tx.init(params)
+
+
+def _shard_map_step(params):
+    """The documented shard_map path, with the default check_vma."""
+    tx = optax.sgd(0.5)
+    mesh = _mesh("auto")
+
+    def grads_of(params, x):
+        return jaxps.push_pull(
+            jax.grad(_loss)(params, x), axis_name="data", name="sm"
+        )
+
+    sharded = jax.shard_map(
+        grads_of, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()
+    )
+
+    @jax.jit
+    def step(params, state, x):
+        updates, state = tx.update(sharded(params, x), state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step, tx.init(params)
+
+
+def check_optimizer():
+    for kind in ("explicit", "set_mesh", "auto"):
+        _train(kind, _optimizer_step)
+
+
+def check_value_and_grad():
+    for kind in ("explicit", "set_mesh"):
+        _train(kind, _value_and_grad_step)
+
+
+def check_push_pull():
+    for kind in ("explicit", "set_mesh", "auto"):
+        _train(kind, _push_pull_step)
+
+
+def check_shard_map():
+    _train("auto", _shard_map_step)
+
+
+def check_linen():
+    from flax.training import train_state
+
+    params, x = _data()
+    mesh = _mesh("explicit")
+    placed = jax.device_put(params, NamedSharding(mesh, P()))
+    state = train_state.TrainState.create(
+        apply_fn=None,
+        params=placed,
+        tx=jaxps.DistributedOptimizer(optax.sgd(0.5), name="linen"),
+    )
+    batch = jax.device_put(_mine(x), NamedSharding(mesh, P("data")))
+
+    @jax.jit
+    def step(state, x):
+        return state.apply_gradients(grads=jax.grad(_loss)(state.params, x))
+
+    for _ in range(STEPS):
+        state = step(state, batch)
+    _assert_close(state.params, _reference(params, x))
+    _assert_sharding_kept(state.params, placed)
+
+
+def check_nnx_2d():
+    """flax's "scale up" program: a data x model mesh, kernels sharded over
+    "model", nnx.jit; the sharding survives the step."""
+    from flax import nnx
+
+    devices = jax.device_count()
+    mesh = jax.make_mesh(
+        (devices // 2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2
+    )
+    _, x = _data()
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.initializers.lecun_normal()
+            self.w1 = nnx.Param(
+                nnx.with_partitioning(init, (None, "model"))(
+                    rngs.params(), (WIDTH, WIDTH)
+                )
+            )
+            self.w2 = nnx.Param(
+                nnx.with_partitioning(init, ("model", None))(
+                    rngs.params(), (WIDTH, 16)
+                )
+            )
+
+        def __call__(self, x):
+            return jnp.tanh(x @ self.w1[...]) @ self.w2[...]
+
+    def make(tx):
+        with jax.set_mesh(mesh):
+            model = MLP(nnx.Rngs(0))
+            state = nnx.state(model)
+            nnx.update(
+                model,
+                jax.lax.with_sharding_constraint(
+                    state, nnx.get_partition_spec(state)
+                ),
+            )
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, x):
+        grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        opt.update(model, grads)
+
+    def run(tx, x):
+        model, opt = make(tx)
+        before = {k: v.sharding for k, v in nnx.state(model).flat_state()}
+        placed = jax.device_put(x, NamedSharding(mesh, P("data")))
+        with jax.set_mesh(mesh):
+            for _ in range(STEPS):
+                step(model, opt, placed)
+        after = nnx.state(model)
+        for key, value in after.flat_state():
+            sharding = value.sharding
+            assert sharding.is_equivalent_to(before[key], value.ndim), (
+                key,
+                sharding,
+                before[key],
+            )
+        return {str(k): np.asarray(v[...]) for k, v in after.flat_state()}
+
+    mine = run(jaxps.DistributedOptimizer(optax.sgd(0.5), name="nnx"), _mine(x))
+    _assert_close(mine, run(optax.sgd(0.5), x))
+
+
+def _raises(fn, *words):
+    try:
+        fn()
+    except ValueError as err:
+        for word in words:
+            assert word in str(err), (word, str(err))
+        return
+    raise AssertionError(f"no error; expected one naming {words}")
+
+
+def check_errors():
+    """Calls that cannot place themselves fail at trace time, naming what
+    to pass."""
+    devices = jax.device_count()
+    x = jnp.ones((devices, 4))
+    _raises(
+        lambda: jax.pmap(lambda v: jaxps.push_pull(v), axis_name="i")(x),
+        "axis_name='i'",
+    )
+    mesh = _mesh("auto")
+    _raises(
+        lambda: jax.jit(
+            jax.shard_map(
+                lambda v: jaxps.push_pull(v),
+                mesh=mesh,
+                in_specs=P("data"),
+                out_specs=P("data"),
+            )
+        )(x),
+        "axis_name='data'",
+    )
+    # value_and_grad's overlap runs per device: in a jit over an Auto mesh
+    # that is not in context, it cannot find the devices when it traces
+    params, batch = _data()
+    placed = jax.device_put(params, NamedSharding(mesh, P()))
+    batch = jax.device_put(_mine(batch), NamedSharding(mesh, P("data")))
+    _raises(
+        lambda: jax.jit(jaxps.value_and_grad(_loss, name="noplace"))(
+            placed, batch
+        ),
+        "jax.set_mesh",
+        "mesh=mesh",
+    )
+
+
+def main(names):
+    jaxps.init()
+    try:
+        for name in names:
+            globals()[f"check_{name}"]()
+            print(f"ok {name}", flush=True)
+    finally:
+        jaxps.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

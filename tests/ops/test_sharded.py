@@ -1,0 +1,40 @@
+"""Hosts of several devices: sharded jit, nnx.jit, shard_map, at real sizes.
+
+Two workers with 2 and with 4 forced CPU devices each, real servers, a
+1024x1024 layer (4 MiB of gradient). Each check in `sharded_scenarios.py`
+trains three sgd steps and compares with one process on the whole batch;
+it also asserts that each device pushed only its own slice and that the
+parameters kept their sharding. `errors` checks the trace-time messages of
+calls that cannot place themselves (pmap or shard_map without axis_name).
+"""
+
+import pathlib
+
+import pytest
+
+from .test_push_pull import run_job
+
+SCRIPT = pathlib.Path(__file__).with_name("sharded_scenarios.py")
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("devices", [2, 4])
+def test_sharded_jit_at_realistic_size(start_servers, tmp_path, devices):
+    servers = start_servers(2, 2, "--round-timeout", "60")
+    run_job(
+        servers,
+        2,
+        [
+            "push_pull",
+            "optimizer",
+            "value_and_grad",
+            "shard_map",
+            "linen",
+            "nnx_2d",
+            "errors",
+        ],
+        tmp_path,
+        timeout=360,
+        script=SCRIPT,
+        devices=devices,
+    )
