@@ -14,6 +14,10 @@ averages the ResNet's BatchNorm statistics over the workers.
         python examples/benchmark.py --model transformer
 
 It also runs as a single worker without servers: python examples/benchmark.py
+
+On a host with several devices each worker shards its batch over all of
+them (a mesh in context, ``jax.set_mesh``); jaxps pushes each device's
+slice of the host's gradient, after the backward pass.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxps
 
@@ -209,10 +215,16 @@ def main(argv=None) -> list[float]:
     x, y = synthetic_batch(
         args.model, args.batch_size, jax.random.key(args.seed + rank)
     )
+    # Several devices: the batch is sharded over them, the model replicated.
+    devices = jax.local_device_count()
+    mesh = jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,))
+    if devices > 1:
+        jax.set_mesh(mesh)  # for the rest of the program
+        x, y = jax.device_put((x, y), NamedSharding(mesh, P("data")))
     n_params = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
     log(f"Model: {args.model} ({n_params:,} parameters)")
     log(f"Batch size: {args.batch_size} per worker")
-    log(f"Number of workers: {size}")
+    log(f"Number of workers: {size} ({devices} device(s) each)")
 
     log("Running warmup...")
     start = time.perf_counter()

@@ -14,6 +14,14 @@ Run it on one machine with 2 workers and 2 summation servers::
 or as a single worker without servers::
 
     python examples/mnist.py --epochs 10
+
+On a host with several devices each worker uses them all, the way JAX and
+flax teach it: a mesh of its devices (``jax.set_mesh``), each batch sharded
+over "data", one ``nnx.jit``; jaxps pushes each device's slice of the
+host's gradient. Try it on CPU with forced devices::
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 \
+        jaxps-launch --workers 2 --servers 2 -- python examples/mnist.py
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from sklearn.preprocessing import StandardScaler
@@ -178,6 +188,19 @@ def main(argv=None) -> float:
         )
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
+    # Several devices: the batch is sharded over them, the model replicated;
+    # XLA reduces the gradients over the devices, then each pushes 1/L.
+    devices = jax.local_device_count()
+    if args.batch_size % devices:
+        raise SystemExit(
+            f"--batch-size {args.batch_size} must be a multiple of this "
+            f"host's {devices} devices"
+        )
+    mesh = jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,))
+    batch = NamedSharding(mesh, P("data"))
+    if devices > 1:
+        jax.set_mesh(mesh)  # for the rest of the program
+
     # Every worker must run the same number of steps (each one push_pulls),
     # so it is computed from the smallest slice; last partial batch dropped.
     steps = (n_total // size) // args.batch_size
@@ -189,7 +212,8 @@ def main(argv=None) -> float:
         losses = []
         for i in range(steps):
             idx = order[i * args.batch_size : (i + 1) * args.batch_size]
-            losses.append(step_fn(model, optimizer, x_train[idx], y_train[idx]))
+            x, y = jax.device_put((x_train[idx], y_train[idx]), batch)
+            losses.append(step_fn(model, optimizer, x, y))
             bar.update()
         if rank == 0:
             bar.write(

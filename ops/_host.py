@@ -8,6 +8,7 @@ callback to the done callback as data, which orders the two in XLA.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 
@@ -23,26 +24,117 @@ _next = itertools.count(1)
 TICKETS = 1 << 24
 
 
+@dataclasses.dataclass(frozen=True)
+class Crossing:
+    """How a push_pull's arrays cross to the host, chosen per platform.
+
+    Attributes:
+      fused: concatenate the arrays of each dtype on the device, so that
+        the callback gets one operand (one device-to-host copy) per dtype
+        instead of one per leaf.
+      owned: the callback's operands are host copies it may keep (JAX's GPU
+        callback copies each operand into host memory the array owns); on
+        CPU they are views of XLA's buffers, valid only during the call,
+        and `start` copies them.
+    """
+
+    fused: bool
+    owned: bool
+
+
+#: Fuse on the CPU too (tests of the fused crossing on a machine without
+#: an accelerator; there it costs a device-side copy and saves none).
+FUSE_ON_CPU = False
+
+
+def crossing(platforms) -> Crossing:
+    """The crossing for a program lowered for `platforms`."""
+    on_cpu = tuple(platforms) == ("cpu",)
+    return Crossing(fused=FUSE_ON_CPU or not on_cpu, owned=not on_cpu)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedLayout:
+    """Where each leaf lies in the fused operands of its dtype.
+
+    Attributes:
+      groups: per fused operand, the indices of its leaves, in order.
+      shapes: per leaf, its shape.
+    """
+
+    groups: tuple[tuple[int, ...], ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    def split(self, fused) -> list[np.ndarray]:
+        """The leaves, as views of the fused operands."""
+        leaves = [None] * len(self.shapes)
+        for group, buffer in zip(self.groups, fused):
+            offset = 0
+            for i in group:
+                size = int(np.prod(self.shapes[i], dtype=np.int64))
+                piece = buffer[offset : offset + size]
+                leaves[i] = piece.reshape(self.shapes[i])
+                offset += size
+        return leaves
+
+
+def fuse(arrays, how: Crossing):
+    """The callback operands of `arrays` (traced), and their layout.
+
+    Fused: one flat concatenation per dtype, first seen first, and the
+    `FusedLayout` that `start` splits them with; else `arrays` and None.
+    """
+    if not how.fused:
+        return list(arrays), None
+    import jax.numpy as jnp  # the host side needs numpy only
+
+    groups: dict = {}
+    for i, a in enumerate(arrays):
+        groups.setdefault(np.dtype(a.dtype), []).append(i)
+    layout = FusedLayout(
+        tuple(tuple(g) for g in groups.values()),
+        tuple(tuple(a.shape) for a in arrays),
+    )
+    operands = [
+        jnp.concatenate([jnp.ravel(arrays[i]) for i in group])
+        for group in layout.groups
+    ]
+    return operands, layout
+
+
 def shard_names(names: tuple[str, ...], shard: int) -> list[str]:
     """Per-device tensor names: each device pushes its own shard."""
     return [f"{n}@{shard}" for n in names]
 
 
 def start(
-    names, average, priorities, mode, shard, *arrays, call=None
+    names,
+    average,
+    priorities,
+    mode,
+    shard,
+    *arrays,
+    call=None,
+    layout: FusedLayout | None = None,
+    owned: bool = False,
 ) -> np.ndarray:
     """Starts push_pull of `arrays`; returns a ticket for `done`.
 
     `mode` is the push_pull's (``"sync"`` or ``"async"``); the runtime
     checks it against the servers it is connected to now. `call` names the
     call's check (default: from `names`, see `plan.call_name`), before the
-    device's shard suffix.
+    device's shard suffix. With a `layout`, `arrays` are the fused operands
+    of each dtype (see `Crossing`); `owned` says they are this call's own
+    host copies.
     """
     began = timeline.now()
     runtime = state.runtime()
-    # The callback's arrays may alias device memory that is only valid during
-    # the call: copy them (this is the device-to-host copy).
-    copies = [np.array(a, copy=True) for a in arrays]
+    # On CPU the callback's arrays alias XLA's buffers, valid only during
+    # the call: copy them (this is the device-to-host copy). Elsewhere they
+    # are already host copies of their own.
+    copies = arrays if owned else [np.array(a, copy=True) for a in arrays]
+    if layout is not None:
+        copies = layout.split(copies)
     handle = runtime.push_pull_async(
         shard_names(names, int(shard)),
         copies,

@@ -25,7 +25,7 @@ from jaxps.ops import _callback, _host, _sharded
 from jaxps.ops._push_pull import gathered, leaf_names, local_piece, push_pull
 
 
-def _start(names, average, priorities, mode, shard, *grads):
+def _start(names, average, priorities, mode, shard, *grads, **crossing):
     # A bucket's call check is named after its first leaf: the default, the
     # user's name alone, is the same for every bucket of several leaves, and
     # the buckets of one step are in flight at once. A float32 holds every
@@ -38,6 +38,7 @@ def _start(names, average, priorities, mode, shard, *grads):
         shard,
         *grads,
         call=plan.call_name(names[:1]),
+        **crossing,
     )
     return np.float32(ticket)
 
@@ -75,13 +76,24 @@ def _tap_bwd(spec, _, cotangents):
         shard = lax.axis_index(axis_name).astype(jnp.int32)
         pushed = [local_piece(c, axis_name) for c in cotangents]
         # the runtime divides by the ranks that pushed; _collect by local
+    # the program runs on the default backend: cross as its callbacks do
+    how = _host.crossing((jax.default_backend(),))
+    operands, layout = _host.fuse(pushed, how)
     ticket = _callback.call(
         jit_errors.in_callback(
-            functools.partial(_start, names, average, priorities, "sync")
+            functools.partial(
+                _start,
+                names,
+                average,
+                priorities,
+                "sync",
+                layout=layout,
+                owned=how.owned,
+            )
         ),
         jax.ShapeDtypeStruct((), jnp.float32),
         shard,
-        *pushed,
+        *operands,
         per_device=names[0],
     )
     return tuple(jnp.zeros_like(c) for c in cotangents), ticket
@@ -248,7 +260,9 @@ def value_and_grad(
                 grad = jax.value_and_grad
                 if nnx is not None and isinstance(target, nnx.Module):
                     grad = nnx.value_and_grad
-                value, grads = grad(fun, argnums, has_aux)(*args, **kwargs)
+                value, grads = grad(fun, argnums=argnums, has_aux=has_aux)(
+                    *args, **kwargs
+                )
                 return value, push_pull(
                     grads,
                     average=average,

@@ -95,15 +95,24 @@ def _impl(*args, names, average, priorities, mode):
     return [jnp.asarray(o) for o in _host.done(ticket)]
 
 
-def _callbacks(*args, names, average, priorities, mode):
+def _callbacks(*args, names, average, priorities, mode, crossing):
     *arrays, shard = args
+    operands, layout = _host.fuse(arrays, crossing)
     ticket = _callback.call(
         jit_errors.in_callback(
-            functools.partial(_host.start, names, average, priorities, mode)
+            functools.partial(
+                _host.start,
+                names,
+                average,
+                priorities,
+                mode,
+                layout=layout,
+                owned=crossing.owned,
+            )
         ),
         jax.ShapeDtypeStruct((), jnp.int32),
         shard,
-        *arrays,
+        *operands,
     )
     results = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
     return list(
@@ -191,7 +200,9 @@ push_pull_p.def_effectful_abstract_eval(_abstract_eval)
 def _lowering(ctx, *args, **params):
     mesh = _sharded.lowering_mesh(ctx)
     if mesh is None:
-        lower = _callbacks
+        lower = functools.partial(
+            _callbacks, crossing=_host.crossing(ctx.module_context.platforms)
+        )
     else:  # a jit over several devices, traced without a mesh
 
         def lower(*args, names, average, priorities, mode):

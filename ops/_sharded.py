@@ -144,7 +144,18 @@ def _used_axes(spec) -> set[str]:
 
 
 def _tag(mesh, spec) -> str:
-    shape = ",".join(f"{a}={n}" for a, n in _abstract(mesh).shape.items())
+    """The layout part of a leaf's wire name.
+
+    A replicated leaf is cut the same way on any mesh of L devices (slice i
+    on the device of linear index i), however jaxps found the mesh: its
+    tag names L only, so that ranks that found it differently (a value's
+    type on one, the jit's devices on another) still meet. A sharded leaf's
+    slices depend on the mesh's shape and the spec: its tag names both.
+    """
+    abstract = _abstract(mesh)
+    if not _used_axes(spec):
+        return f"/devices{abstract.size}"
+    shape = ",".join(f"{a}={n}" for a, n in abstract.shape.items())
     return f"/mesh({shape}){spec}"
 
 

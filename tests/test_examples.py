@@ -103,6 +103,52 @@ def test_mnist_two_workers_reach_accuracy(undisturbed_mnist):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_mnist_on_hosts_of_four_devices():
+    # each worker shards its batch over 4 devices (jax.set_mesh, nnx.jit);
+    # each device pushes its slice; the workers stay identical
+    proc = _launch(
+        "mnist.py",
+        "--epochs",
+        "3",
+        "--min-accuracy",
+        "0.9",
+        launch_flags=DETERMINISTIC,
+        settings={
+            **SPREAD,
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        },
+    )
+    final = _per_worker(CHECKSUM, proc.stdout)
+    assert sorted(final) == [0, 1] and final[0] == final[1], proc.stdout
+    accuracy = _per_worker(r"test accuracy: ([\d.]+)", proc.stdout)
+    assert min(float(a) for a in accuracy.values()) >= 0.9, proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_benchmark_on_hosts_of_two_devices():
+    proc = _launch(
+        "benchmark.py",
+        "--model",
+        "resnet",
+        "--batch-size",
+        "4",
+        "--num-warmup-batches",
+        "1",
+        "--num-batches-per-iter",
+        "2",
+        "--num-iters",
+        "2",
+        settings={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+    )
+    assert "[worker 0] Number of workers: 2 (2 device(s) each)" in proc.stdout
+    stats = _per_worker(r"batch stats checksum: (\w+ -> \w+)", proc.stdout)
+    (_, after0), (_, after1) = (stats[r].split(" -> ") for r in (0, 1))
+    assert after0 == after1, proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_mnist_async_mode_converges():
     proc = _launch(
         "mnist.py", "--epochs", "8", "--async", launch_flags=("--async",)

@@ -650,3 +650,34 @@ def test_timeout_comes_from_the_environment(monkeypatch):
     )
     assert config.timeout == 3.0
     assert config.worker_env["JAXPS_TIMEOUT"] == "3.0"
+
+
+@pytest.mark.timeout(60)
+def test_devices_per_worker_gives_each_worker_its_own_gpus(capsys):
+    code = """
+        import os
+        print("sees", os.environ["CUDA_VISIBLE_DEVICES"])
+    """
+    rc = launch.main(
+        [
+            "--workers",
+            "2",
+            "--servers",
+            "1",
+            "--devices-per-worker",
+            "2",
+            "--",
+            *_script(code),
+        ]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "[worker 0] sees 0,1" in out
+    assert "[worker 1] sees 2,3" in out
+    assert "jaxps-launch: worker 1: CUDA_VISIBLE_DEVICES=2,3" in out
+
+
+def test_devices_per_worker_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        launch.main(["-w", "1", "--devices-per-worker", "0", "--", "true"])
+    assert "--devices-per-worker must be >= 1, got 0" in capsys.readouterr().err

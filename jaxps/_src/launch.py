@@ -43,7 +43,8 @@ _TICK = 0.1
 _USAGE = (
     "jaxps-launch [-h] (--workers N [--servers K] | --hostfile FILE) "
     "[--server-processes P] [--timeout SECONDS] [--job-id ID] "
-    "[--engine-threads T] [--restart-servers R] [--dry-run] "
+    "[--engine-threads T] [--restart-servers R] [--devices-per-worker G] "
+    "[--dry-run] "
     "[--async] [--deterministic] [--elastic] -- CMD [ARGS ...]"
 )
 
@@ -81,6 +82,9 @@ class LaunchConfig:
       elastic: a worker that fails does not stop the job (for
         `jaxps.elastic` programs, whose survivors go on without it); the
         job succeeds if any worker does.
+      devices_per_worker: GPUs of each local worker: worker r sees GPUs
+        r*G .. r*G+G-1 (``CUDA_VISIBLE_DEVICES``); None leaves them all
+        visible to every worker.
     """
 
     workers: int
@@ -96,6 +100,14 @@ class LaunchConfig:
     server_processes: int = 1
     restart_servers: int = 0
     elastic: bool = False
+    devices_per_worker: int | None = None
+
+    def worker_devices(self, rank: int) -> str | None:
+        """The ``CUDA_VISIBLE_DEVICES`` of local worker `rank`, or None."""
+        g = self.devices_per_worker
+        if g is None:
+            return None
+        return ",".join(str(d) for d in range(rank * g, (rank + 1) * g))
 
 
 # ----------------------------------------------------------------------------
@@ -174,6 +186,16 @@ def _parser() -> argparse.ArgumentParser:
         "port (a hostfile's over ssh), up to R times in all; the workers "
         "fail over to it without losing a step (synchronous mode). "
         "Default 0: stop the job",
+    )
+    p.add_argument(
+        "--devices-per-worker",
+        type=int,
+        default=None,
+        metavar="G",
+        help="give each worker G GPUs of its own: worker r gets "
+        "CUDA_VISIBLE_DEVICES=r*G..r*G+G-1 (printed at start). Default: "
+        "every worker sees every device; with one worker per host that is "
+        "right (it reduces over its devices, then pushes)",
     )
     p.add_argument(
         "--hostfile",
@@ -255,6 +277,17 @@ def _validate(
         )
     if args.job_id is not None and not args.job_id:
         parser.error("--job-id must not be empty")
+    if args.devices_per_worker is not None:
+        if args.devices_per_worker < 1:
+            parser.error(
+                "--devices-per-worker must be >= 1, got "
+                f"{args.devices_per_worker}"
+            )
+        if args.hostfile:
+            parser.error(
+                "--devices-per-worker assigns the GPUs of this machine; "
+                "with --hostfile set CUDA_VISIBLE_DEVICES on each host"
+            )
     if not command:
         parser.error(
             "a worker command is required after '--', e.g. "
@@ -344,6 +377,7 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         server_processes=args.server_processes,
         restart_servers=args.restart_servers,
         elastic=args.elastic,
+        devices_per_worker=args.devices_per_worker,
     )
 
 
@@ -602,6 +636,14 @@ class Launcher:
         env.setdefault("PYTHONUNBUFFERED", "1")
         for rank in range(self.config.workers):
             env["JAXPS_WORKER_RANK"] = str(rank)
+            devices = self.config.worker_devices(rank)
+            if devices is not None:
+                env["CUDA_VISIBLE_DEVICES"] = devices
+                self.output.line(
+                    self.output.out,
+                    f"jaxps-launch: worker {rank}: CUDA_VISIBLE_DEVICES="
+                    f"{devices}",
+                )
             self.workers.append(
                 self._child(f"worker {rank}", self.config.command, dict(env))
             )

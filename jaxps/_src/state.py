@@ -16,6 +16,29 @@ _lock = threading.Lock()
 _runtime: Runtime | None = None
 
 
+def _check_platforms() -> None:
+    """Fails if JAX was told to run without its CPU platform.
+
+    jaxps's host callbacks run on the host beside the accelerator: JAX's
+    GPU callback needs the CPU client (``JAX_PLATFORMS=cuda`` alone makes
+    every push_pull fail when it runs). Checked here, before any backend
+    starts, so that the error comes at once.
+    """
+    import jax
+
+    platforms = jax.config.jax_platforms
+    if not platforms:
+        return  # JAX's default: every platform found, the CPU among them
+    names = [p.strip() for p in platforms.split(",") if p.strip()]
+    if "cpu" in names:
+        return
+    raise errors.ConfigError(
+        f"JAX_PLATFORMS={platforms!r} leaves out the CPU platform, which "
+        "jaxps's host callbacks need beside the accelerator. Keep it: "
+        f"JAX_PLATFORMS={','.join(names + ['cpu'])!r}."
+    )
+
+
 def init(config: Config | None = None, **settings: Any) -> Config:
     """Connects this worker to the summation servers.
 
@@ -32,6 +55,7 @@ def init(config: Config | None = None, **settings: Any) -> Config:
       The config in effect.
     """
     global _runtime
+    _check_platforms()
     if config is not None and settings:
         raise errors.ConfigError(
             "pass either config= or keyword settings to jaxps.init, not both."

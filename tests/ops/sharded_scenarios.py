@@ -9,6 +9,7 @@ and prints ``ok NAME``.
 """
 
 import contextlib
+import functools
 import os
 import sys
 
@@ -27,15 +28,23 @@ STEPS = 3
 RTOL, ATOL = 2e-4, 2e-6
 
 pushed: list[tuple[int, int]] = []  # (shard, bytes) of each device's start
-_start = _host.start
+operands: list[int] = []  # operands of each start callback
+dones: list[int] = []  # one entry per done callback
+_start, _done = _host.start, _host.done
 
 
 def _recorded(names, average, priorities, mode, shard, *arrays, **kwargs):
     pushed.append((int(shard), sum(a.nbytes for a in arrays)))
+    operands.append(len(arrays))
     return _start(names, average, priorities, mode, shard, *arrays, **kwargs)
 
 
-_host.start = _recorded
+def _recorded_done(ticket):
+    dones.append(1)
+    return _done(ticket)
+
+
+_host.start, _host.done = _recorded, _recorded_done
 
 
 def _data():
@@ -293,6 +302,149 @@ def check_nnx_2d():
 
     mine = run(jaxps.DistributedOptimizer(optax.sgd(0.5), name="nnx"), _mine(x))
     _assert_close(mine, run(optax.sgd(0.5), x))
+
+
+def _pmap_step(params):
+    tx = optax.sgd(0.5)
+    devices = jax.device_count()
+
+    def grads_of(p, x):
+        return jaxps.push_pull(jax.grad(_loss)(p, x), axis_name="i", name="pm")
+
+    mapped = jax.pmap(grads_of, axis_name="i", in_axes=(None, 0))
+
+    def step(params, state, x):
+        x = np.asarray(x).reshape(devices, -1, x.shape[-1])
+        grads = jax.tree.map(lambda g: g[0], mapped(params, x))
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step, tx.init(params)
+
+
+def _overlap_shard_map_step(params):
+    """jaxps.value_and_grad inside shard_map (pushes in the backward pass)."""
+    tx = optax.sgd(0.5)
+    mesh = _mesh("auto")
+
+    def grads_of(params, x):
+        _, grads = jaxps.value_and_grad(_loss, axis_name="data", name="ov")(
+            params, x
+        )
+        return grads
+
+    sharded = jax.shard_map(
+        grads_of, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()
+    )
+
+    @jax.jit
+    def step(params, state, x):
+        updates, state = tx.update(sharded(params, x), state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step, tx.init(params)
+
+
+def check_pmap():
+    params, x = _data()
+    step, state = _pmap_step(params)
+    pushed.clear()
+    out = params
+    for _ in range(STEPS):
+        out, state = step(out, state, _mine(x))
+    _assert_close(out, _reference(params, x))
+    _assert_slices(sum(v.nbytes for v in params.values()))
+
+
+def check_overlap_shard_map():
+    _train("auto", _overlap_shard_map_step)
+
+
+def check_broadcast_and_batch_stats():
+    """broadcast and sync_batch_stats under a sharded jit: rank 0's value
+    (or the mean) on every device, with the input's sharding."""
+    for kind in ("explicit", "set_mesh"):
+        mesh = _mesh(kind)
+        mine = np.full((WIDTH, 8), jaxps.rank() + 1.0, np.float32)
+        placed = jax.device_put(mine, NamedSharding(mesh, P()))
+        with (
+            jax.set_mesh(mesh)
+            if kind == "set_mesh"
+            else contextlib.nullcontext()
+        ):
+            root = jax.jit(functools.partial(jaxps.broadcast, name=f"b{kind}"))(
+                placed
+            )
+            mean = jax.jit(
+                functools.partial(jaxps.sync_batch_stats, name=f"s{kind}")
+            )({"m": placed})["m"]
+        np.testing.assert_array_equal(np.asarray(root), np.ones_like(mine))
+        expected = (jaxps.size() + 1) / 2
+        np.testing.assert_allclose(np.asarray(mean), expected, rtol=1e-6)
+        for out in (root, mean):
+            assert out.sharding.is_equivalent_to(placed.sharding, 2), (
+                kind,
+                out.sharding,
+            )
+
+
+def _crossing_run(fused, params, x, loss):
+    """Two counted steps of DistributedOptimizer; the parameters after."""
+    devices = jax.device_count()
+    _host.FUSE_ON_CPU = fused
+    tx = jaxps.DistributedOptimizer(optax.sgd(0.1), name=f"c{fused}")
+
+    @jax.jit
+    def step(params, state, x):
+        updates, state = tx.update(jax.grad(loss)(params, x), state)
+        return optax.apply_updates(params, updates), state
+
+    state = tx.init(params)
+    params, state = step(params, state, x)  # compiles
+    jax.block_until_ready(params)
+    operands.clear(), dones.clear(), pushed.clear()
+    for _ in range(2):
+        params, state = step(params, state, x)
+    jax.block_until_ready(params)
+    assert len(operands) == 2 * devices, operands
+    assert set(operands) == ({2} if fused else {200}), operands
+    assert len(dones) == 2 * devices, dones
+    return params
+
+
+def check_crossings():
+    """A model of 200 leaves of two dtypes on a mesh: per step one start
+    and one done callback per device; fused, one operand per dtype (one
+    device-to-host copy each, as on GPUs), else one per leaf; the same
+    sums either way."""
+    devices = jax.device_count()
+    mesh = _mesh("explicit")
+    rng = np.random.default_rng(1)
+    params = {
+        f"p{i:03d}": rng.standard_normal((16, 8)).astype(
+            np.float32 if i % 4 else jnp.bfloat16
+        )
+        for i in range(200)
+    }
+    placed = jax.device_put(params, NamedSharding(mesh, P()))
+    x = jax.device_put(
+        rng.standard_normal((4 * devices, 16)).astype(np.float32),
+        NamedSharding(mesh, P("data")),
+    )
+
+    def loss(params, x):
+        return sum(
+            jnp.sum(jnp.tanh(x @ w.astype(jnp.float32)))
+            for w in params.values()
+        )
+
+    results = {
+        fused: _crossing_run(fused, placed, x, loss) for fused in (False, True)
+    }
+    _host.FUSE_ON_CPU = False
+    for key in params:
+        a, b = np.asarray(results[False][key]), np.asarray(results[True][key])
+        assert a.tobytes() == b.tobytes(), key
 
 
 def _raises(fn, *words):
