@@ -88,7 +88,7 @@ def _tap_bwd(spec, _, cotangents):
                 priorities,
                 "sync",
                 layout=layout,
-                owned=how.owned,
+                from_callback=True,
             )
         ),
         jax.ShapeDtypeStruct((), jnp.float32),

@@ -107,7 +107,7 @@ def _callbacks(*args, names, average, priorities, mode, crossing):
                 priorities,
                 mode,
                 layout=layout,
-                owned=crossing.owned,
+                from_callback=True,
             )
         ),
         jax.ShapeDtypeStruct((), jnp.int32),

@@ -403,9 +403,12 @@ def _crossing_run(fused, params, x, loss):
     params, state = step(params, state, x)  # compiles
     jax.block_until_ready(params)
     operands.clear(), dones.clear(), pushed.clear()
+    copies = _host.host_copies
     for _ in range(2):
         params, state = step(params, state, x)
     jax.block_until_ready(params)
+    # the callbacks' operands are host copies already: none made again
+    assert _host.host_copies == copies, _host.host_copies - copies
     assert len(operands) == 2 * devices, operands
     assert set(operands) == ({2} if fused else {200}), operands
     assert len(dones) == 2 * devices, dones
@@ -414,9 +417,9 @@ def _crossing_run(fused, params, x, loss):
 
 def check_crossings():
     """A model of 200 leaves of two dtypes on a mesh: per step one start
-    and one done callback per device; fused, one operand per dtype (one
-    device-to-host copy each, as on GPUs), else one per leaf; the same
-    sums either way."""
+    and one done callback per device, no host copy beyond the callback's
+    own; fused, one operand per dtype (one device-to-host copy each, as on
+    GPUs), else one per leaf; the same sums either way."""
     devices = jax.device_count()
     mesh = _mesh("explicit")
     rng = np.random.default_rng(1)
