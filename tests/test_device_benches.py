@@ -69,6 +69,6 @@ def test_multidevice_bench_runs_every_path():
     out = _run(
         "multidevice.py", "--devices", "2", "--widths", "512", "--steps", "2"
     )
-    for path in ("local", "sharded jit", "shard_map"):
+    for path in ("local", "sharded jit", "shard_map", "jax gloo"):
         row = rf"\|\s*2\s*\|\s*512\s*\|\s*{path}\s*\|\s*[\d.]+\s*\|"
         assert re.search(row, out), out
