@@ -33,7 +33,9 @@ import _common  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="small, for CI")
+    p.add_argument(
+        "--quick", action="store_true", help="a small model and size, for CI"
+    )
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--dim", type=int, default=None, help="model width")
     p.add_argument("--depth", type=int, default=None, help="layers")
@@ -43,13 +45,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    quick = {"steps": 5, "dim": 128, "depth": 2, "batch": 16, "sizes_mb": "4"}
-    full = {"steps": 20, "dim": 512, "depth": 6, "batch": 32}
-    full["sizes_mb"] = "4,64,256"
-    for key, value in (quick if args.quick else full).items():
+    return args
+
+
+#: Model and sizes: the quick run (CI), and the full one per platform (a
+#: step of about 0.5-1 s on 2 CPU cores; a larger model on an accelerator),
+#: so that the full run stays within about 5 minutes on either.
+SIZES = {
+    "quick": {"steps": 5, "dim": 128, "depth": 2, "batch": 16},
+    "cpu": {"steps": 8, "dim": 384, "depth": 4, "batch": 16},
+    "accelerator": {"steps": 20, "dim": 1024, "depth": 8, "batch": 32},
+}
+D2H_MB = {"quick": "4", "cpu": "4,64,256", "accelerator": "4,64,256"}
+
+
+def fill_sizes(args, platform: str) -> None:
+    """Fills the options left out from `SIZES` for `platform`."""
+    kind = "quick" if args.quick else platform
+    kind = kind if kind in ("quick", "cpu") else "accelerator"
+    for key, value in SIZES[kind].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    return args
+    if args.sizes_mb is None:
+        args.sizes_mb = D2H_MB[kind]
 
 
 # ---- the step (child processes) ---------------------------------------------
@@ -300,6 +318,7 @@ def main(argv=None) -> int:
 
     began = time.monotonic()
     device = jax.devices()[0]
+    fill_sizes(args, device.platform)
     print(
         f"device: {device.platform} ({device.device_kind}), jax "
         f"{jax.__version__}; {_common.load_average()}",
@@ -322,8 +341,9 @@ def main(argv=None) -> int:
                     ]
                 )
     print(
-        "\nTransformer step (median ms; ratio to the plain step of the "
-        "same pass)"
+        f"\nTransformer step: width {args.dim}, {args.depth} layers, batch "
+        f"{args.batch}x64, {args.steps} timed steps (median ms; ratio to the "
+        "plain step of the same pass)"
     )
     print(
         _common.format_table(
