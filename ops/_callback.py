@@ -28,20 +28,22 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 
-class HostCallbackEffect(effects.Effect):
-    """A jaxps host callback: other workers wait for it, so it always runs."""
+class PushPullEffect(effects.Effect):
+    """jaxps talks to the servers: other workers wait for it, so it is
+    never dropped (the push_pull primitive's and its callbacks' effect,
+    unordered like ``io_callback(ordered=False)``'s)."""
 
-    __str__ = lambda _: "jaxps.HostCallback"  # noqa: E731
+    __str__ = lambda _: "jaxps.PushPull"  # noqa: E731
 
 
-EFFECT = HostCallbackEffect()
+EFFECT = PushPullEffect()
 for _allowed in (
     effects.lowerable_effects,
     effects.control_flow_allowed_effects,  # in lax.cond / scan / while
     effects.custom_derivatives_allowed_effects,  # in custom_vjp / jvp
     effects.remat_allowed_effects,  # in jax.checkpoint: saved, not rerun
 ):
-    _allowed.add_type(HostCallbackEffect)
+    _allowed.add_type(PushPullEffect)
 
 _call_p = Primitive("jaxps_host_callback")
 _call_p.multiple_results = True

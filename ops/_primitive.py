@@ -22,28 +22,14 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import effects
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jaxps._src import jit_errors
 from jaxps.ops import _callback, _host, _sharded
 
-
-class PushPullEffect(effects.Effect):
-    """A push_pull: other workers wait for it, so it is never dropped."""
-
-    __str__ = lambda _: "jaxps.PushPull"  # noqa: E731
-
-
-_EFFECT = PushPullEffect()
-for _allowed in (
-    effects.lowerable_effects,
-    effects.control_flow_allowed_effects,  # in lax.cond / scan / while
-    effects.custom_derivatives_allowed_effects,  # in custom_vjp / jvp
-    effects.remat_allowed_effects,  # in jax.checkpoint: saved, not rerun
-):
-    _allowed.add_type(PushPullEffect)
+PushPullEffect = _callback.PushPullEffect
+_EFFECT = _callback.EFFECT
 
 push_pull_p = Primitive("jaxps_push_pull")
 push_pull_p.multiple_results = True

@@ -22,6 +22,17 @@ MNIST = ("mnist.py", "--epochs", "5", "--min-accuracy", "0.95")
 DETERMINISTIC = ("--deterministic",)
 CHECKSUM = r"params checksum after training: (\w+)"
 TRAINED = r"trained 5 epochs on 2 worker\(s\) in ([\d.]+) s"
+#: A short examples/benchmark.py run: batch 4, 1 warm-up, 2 iterations of 2.
+SHORT_BENCHMARK = (
+    "--batch-size",
+    "4",
+    "--num-warmup-batches",
+    "1",
+    "--num-batches-per-iter",
+    "2",
+    "--num-iters",
+    "2",
+)
 #: Chunks small enough (the model is 150 kB) that both servers hold some.
 SPREAD = {"JAXPS_PARTITION_BYTES": "32768"}
 
@@ -131,14 +142,7 @@ def test_benchmark_on_hosts_of_two_devices():
         "benchmark.py",
         "--model",
         "resnet",
-        "--batch-size",
-        "4",
-        "--num-warmup-batches",
-        "1",
-        "--num-batches-per-iter",
-        "2",
-        "--num-iters",
-        "2",
+        *SHORT_BENCHMARK,
         settings={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
     )
     assert "[worker 0] Number of workers: 2 (2 device(s) each)" in proc.stdout
@@ -163,19 +167,7 @@ def test_mnist_async_mode_converges():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model", ["resnet", "transformer"])
 def test_benchmark_two_workers(model):
-    proc = _launch(
-        "benchmark.py",
-        "--model",
-        model,
-        "--batch-size",
-        "4",
-        "--num-warmup-batches",
-        "1",
-        "--num-batches-per-iter",
-        "2",
-        "--num-iters",
-        "2",
-    )
+    proc = _launch("benchmark.py", "--model", model, *SHORT_BENCHMARK)
     iters = re.findall(
         r"^\[worker (\d+)\] Iter #(\d+): [\d.]+ samples/sec "
         r"per worker$",

@@ -731,11 +731,14 @@ def check_compression():
     np.testing.assert_allclose(residual[kept], 0, atol=1e-6)
 
 
-def main(names):
+def main(names, checks=None):
+    """Runs ``check_NAME`` of `checks` (a module's globals, default this
+    one's) for each name, printing ``ok NAME`` after each."""
+    checks = globals() if checks is None else checks
     jaxps.init()
     try:
         for name in names:
-            globals()[f"check_{name}"]()
+            checks[f"check_{name}"]()
             print(f"ok {name}", flush=True)
     finally:
         jaxps.shutdown()

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import scenarios  # this file's folder: the checks' runner
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -174,18 +175,20 @@ def _push_pull_step(params):
     return step, tx.init(params)
 
 
-def _shard_map_step(params):
-    """The documented shard_map path, with the default check_vma."""
+def _shard_map_step(params, grads_of=None):
+    """The documented shard_map path, with the default check_vma: the
+    gradients of `grads_of(params, x)`, push_pull after jax.grad by
+    default."""
     tx = optax.sgd(0.5)
-    mesh = _mesh("auto")
+    if grads_of is None:
 
-    def grads_of(params, x):
-        return jaxps.push_pull(
-            jax.grad(_loss)(params, x), axis_name="data", name="sm"
-        )
+        def grads_of(params, x):
+            return jaxps.push_pull(
+                jax.grad(_loss)(params, x), axis_name="data", name="sm"
+            )
 
     sharded = jax.shard_map(
-        grads_of, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()
+        grads_of, mesh=_mesh("auto"), in_specs=(P(), P("data")), out_specs=P()
     )
 
     @jax.jit
@@ -322,27 +325,11 @@ def _pmap_step(params):
     return step, tx.init(params)
 
 
-def _overlap_shard_map_step(params):
+def _overlap_grads(params, x):
     """jaxps.value_and_grad inside shard_map (pushes in the backward pass)."""
-    tx = optax.sgd(0.5)
-    mesh = _mesh("auto")
-
-    def grads_of(params, x):
-        _, grads = jaxps.value_and_grad(_loss, axis_name="data", name="ov")(
-            params, x
-        )
-        return grads
-
-    sharded = jax.shard_map(
-        grads_of, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()
-    )
-
-    @jax.jit
-    def step(params, state, x):
-        updates, state = tx.update(sharded(params, x), state, params)
-        return optax.apply_updates(params, updates), state
-
-    return step, tx.init(params)
+    return jaxps.value_and_grad(_loss, axis_name="data", name="ov")(params, x)[
+        1
+    ]
 
 
 def check_pmap():
@@ -357,7 +344,7 @@ def check_pmap():
 
 
 def check_overlap_shard_map():
-    _train("auto", _overlap_shard_map_step)
+    _train("auto", functools.partial(_shard_map_step, grads_of=_overlap_grads))
 
 
 def check_broadcast_and_batch_stats():
@@ -495,15 +482,5 @@ def check_errors():
     )
 
 
-def main(names):
-    jaxps.init()
-    try:
-        for name in names:
-            globals()[f"check_{name}"]()
-            print(f"ok {name}", flush=True)
-    finally:
-        jaxps.shutdown()
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    scenarios.main(sys.argv[1:], globals())
