@@ -40,9 +40,9 @@ def push_pull(
     of the host's devices (see `mesh`), each device pushes its own slice of
     the host's sum and the results keep their sharding. Inside shard_map or
     pmap, pass the local device axis as `axis_name`: the leaves are first
-    reduce-scattered over
-    the local devices, each device pushes its own shard, and the sums are
-    all-gathered back, so every device ends up with the global result.
+    reduce-scattered over the local devices, each device pushes its own
+    shard, and the sums are all-gathered back, so every device ends up with
+    the global result.
 
     Empty leaves (a zero in their shape) come back as they are, without
     any traffic. A leaf's name includes its shape and dtype, so a new shape

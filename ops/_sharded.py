@@ -35,11 +35,9 @@ from jaxps.ops import _primitive
 
 
 def _abstract(mesh):
-    return (
-        mesh
-        if isinstance(mesh, jax.sharding.AbstractMesh)
-        else (mesh.abstract_mesh)
-    )
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        return mesh
+    return mesh.abstract_mesh
 
 
 def _multi(mesh) -> bool:
