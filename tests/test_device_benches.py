@@ -1,5 +1,7 @@
 """The device-path benchmarks run end to end in their quick forms (CI).
 
+``benchmarks/op.py`` times a jitted push_pull for 1 MiB, twice.
+
 ``benchmarks/gpu.py --quick`` runs on the CPU here (on a GPU host it runs
 there); ``benchmarks/multidevice.py`` on 2 forced devices and one width.
 Each must exit 0 and print every row of its tables.
@@ -72,3 +74,10 @@ def test_multidevice_bench_runs_every_path():
     for path in ("local", "sharded jit", "shard_map", "jax gloo"):
         row = rf"\|\s*2\s*\|\s*512\s*\|\s*{path}\s*\|\s*[\d.]+\s*\|"
         assert re.search(row, out), out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_op_bench_runs():
+    out = _run("op.py", "--sizes-mb", "1", "--repeats", "2", timeout=180)
+    assert re.search(r"\|\s*1\s*\|\s*[\d.]+\s*\|\s*[\d.]+\s*\|", out), out
