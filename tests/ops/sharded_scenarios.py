@@ -218,6 +218,55 @@ def check_shard_map():
     _train("auto", _shard_map_step)
 
 
+def check_sums_agree():
+    """The summed gradients of a sharded jit are the same bits however
+    jaxps found the mesh (explicit axes, jax.set_mesh, or an Auto mesh at
+    lowering), and agree with shard_map's, with and without check_vma, to
+    1e-6 of the largest element (XLA's reduction over the host's devices
+    rounds a few elements differently there: measured 5 ulp of it)."""
+    params, x = _data()
+    sums = {}
+    for kind in ("explicit", "set_mesh", "auto"):
+        mesh = _mesh(kind)
+        placed = jax.device_put(params, NamedSharding(mesh, P()))
+        batch = jax.device_put(_mine(x), NamedSharding(mesh, P("data")))
+        step = jax.jit(
+            lambda p, x, kind=kind: jaxps.push_pull(
+                jax.grad(_loss)(p, x), name=f"bits-{kind}"
+            )
+        )
+        with (
+            jax.set_mesh(mesh)
+            if kind == "set_mesh"
+            else (contextlib.nullcontext())
+        ):
+            sums[kind] = step(placed, batch)
+    mesh = _mesh("auto")
+    placed = jax.device_put(params, NamedSharding(mesh, P()))
+    batch = jax.device_put(_mine(x), NamedSharding(mesh, P("data")))
+    for vma in (True, False):
+        sums[f"shard_map vma={vma}"] = jax.jit(
+            jax.shard_map(
+                lambda p, x, vma=vma: jaxps.push_pull(
+                    jax.grad(_loss)(p, x), axis_name="data", name=f"b{vma}"
+                ),
+                mesh=mesh,
+                in_specs=(P(), P("data")),
+                out_specs=P(),
+                check_vma=vma,
+            )
+        )(placed, batch)
+    first = {k: np.asarray(v) for k, v in sums.pop("explicit").items()}
+    for kind, other in sums.items():
+        for key, a in first.items():
+            b = np.asarray(other[key])
+            if kind in ("set_mesh", "auto"):
+                assert a.tobytes() == b.tobytes(), (kind, key)
+            else:
+                scale = float(np.max(np.abs(a)))
+                np.testing.assert_allclose(b, a, rtol=0, atol=1e-6 * scale)
+
+
 def check_paths_agree():
     """The sharded jit and the shard_map path end with the same parameters,
     to float rounding: the host's devices sum their gradients in XLA's

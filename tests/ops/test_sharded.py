@@ -34,6 +34,7 @@ def test_sharded_jit_at_realistic_size(start_servers, tmp_path, devices):
             "linen",
             "explicit_2d",
             "nnx_2d",
+            "sums_agree",
             "paths_agree",
             "pmap",
             "overlap_shard_map",
