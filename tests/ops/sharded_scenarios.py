@@ -139,47 +139,39 @@ def _train(kind, make_step):
     return out
 
 
-def _optimizer_step(params):
-    tx = jaxps.DistributedOptimizer(optax.sgd(0.5), name="opt")
+def _step(params, grads_of, tx=None):
+    """A jitted SGD step on `grads_of(params, x)`, and its first state."""
+    tx = optax.sgd(0.5) if tx is None else tx
 
     @jax.jit
     def step(params, state, x):
-        grads = jax.grad(_loss)(params, x)
-        updates, state = tx.update(grads, state, params)
+        updates, state = tx.update(grads_of(params, x), state, params)
         return optax.apply_updates(params, updates), state
 
     return step, tx.init(params)
+
+
+def _optimizer_step(params):
+    tx = jaxps.DistributedOptimizer(optax.sgd(0.5), name="opt")
+    return _step(params, jax.grad(_loss), tx)
 
 
 def _value_and_grad_step(params):
-    tx = optax.sgd(0.5)
-
-    @jax.jit
-    def step(params, state, x):
-        _, grads = jaxps.value_and_grad(_loss, name="vg")(params, x)
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    return step, tx.init(params)
+    return _step(
+        params, lambda p, x: jaxps.value_and_grad(_loss, name="vg")(p, x)[1]
+    )
 
 
 def _push_pull_step(params):
-    tx = optax.sgd(0.5)
-
-    @jax.jit
-    def step(params, state, x):
-        grads = jaxps.push_pull(jax.grad(_loss)(params, x), name="pp")
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
-    return step, tx.init(params)
+    return _step(
+        params, lambda p, x: jaxps.push_pull(jax.grad(_loss)(p, x), name="pp")
+    )
 
 
 def _shard_map_step(params, grads_of=None):
     """The documented shard_map path, with the default check_vma: the
     gradients of `grads_of(params, x)`, push_pull after jax.grad by
     default."""
-    tx = optax.sgd(0.5)
     if grads_of is None:
 
         def grads_of(params, x):
@@ -190,13 +182,7 @@ def _shard_map_step(params, grads_of=None):
     sharded = jax.shard_map(
         grads_of, mesh=_mesh("auto"), in_specs=(P(), P("data")), out_specs=P()
     )
-
-    @jax.jit
-    def step(params, state, x):
-        updates, state = tx.update(sharded(params, x), state, params)
-        return optax.apply_updates(params, updates), state
-
-    return step, tx.init(params)
+    return _step(params, sharded)
 
 
 def check_optimizer():
