@@ -12,8 +12,9 @@ callback that returns ``2 * x`` of a 1024x1024 ``psum_scatter`` hangs through
 ``io_callback`` and takes 0.3 s (its own sleep) through `call`.
 
 `call` lowers with JAX's own ``emit_python_callback`` and passes the
-callback the NumPy arrays XLA hands over (views of its buffers on CPU, host
-copies on GPU): no transfer, no thread pool, one copy fewer. Like an
+callback the NumPy arrays XLA hands over (host copies the arrays own, on
+CPU in jaxlib 0.10 as on GPU; see `_host._kept`): no transfer, no thread
+pool, one copy fewer. Like an
 unordered ``io_callback`` it has an effect, so it is never dropped, and
 inside a fully manual ``shard_map`` or ``pmap`` it runs once per device.
 """
@@ -53,8 +54,9 @@ def call(fn, result_shape_dtypes, *operands, per_device=None):
     """Calls ``fn(*numpy_operands)`` on the host from a JAX program.
 
     Args:
-      fn: takes one NumPy array per operand (valid only during the call:
-        copy what must outlive it) and returns one array per result.
+      fn: takes one NumPy array per operand (keep one past the call only
+        if it owns its memory, as `_host._kept` checks) and returns one
+        array per result.
       result_shape_dtypes: a `jax.ShapeDtypeStruct` or a tuple of them.
       *operands: arrays.
       per_device: None, or the name of the push_pull this callback serves:

@@ -24,30 +24,12 @@ _next = itertools.count(1)
 TICKETS = 1 << 24
 
 
-@dataclasses.dataclass(frozen=True)
-class Crossing:
-    """How a push_pull's arrays cross to the host, chosen per platform.
-
-    Attributes:
-      fused: concatenate the arrays of each dtype on the device, so that
-        the callback gets one operand (one device-to-host copy: JAX's GPU
-        callback makes one per operand) per dtype instead of one per leaf.
-    """
-
-    fused: bool
-
-
-#: Fuse on the CPU too (tests of the fused crossing on a machine without
+#: Fuse on the CPU too (tests of the fused operands on a machine without
 #: an accelerator; there it costs a device-side copy and saves none).
 FUSE_ON_CPU = False
 
 #: Host copies `start` made (a test and the benchmarks read it).
 host_copies = 0
-
-
-def crossing(platforms) -> Crossing:
-    """The crossing for a program lowered for `platforms`."""
-    return Crossing(fused=FUSE_ON_CPU or tuple(platforms) != ("cpu",))
 
 
 def _kept(array: np.ndarray, from_callback: bool) -> np.ndarray:
@@ -95,13 +77,17 @@ class FusedLayout:
         return leaves
 
 
-def fuse(arrays, how: Crossing):
+def fuse(arrays, platforms):
     """The callback operands of `arrays` (traced), and their layout.
 
-    Fused: one flat concatenation per dtype, first seen first, and the
-    `FusedLayout` that `start` splits them with; else `arrays` and None.
+    Off the CPU (`platforms` of the program) the arrays of each dtype are
+    concatenated on the device, one flat operand per dtype, first seen
+    first: JAX's GPU callback makes one device-to-host copy per operand,
+    so a bucket of many leaves crosses in a few copies. Returns those
+    operands and the `FusedLayout` that `start` splits them with; on the
+    CPU (unless `FUSE_ON_CPU`), `arrays` and None.
     """
-    if not how.fused:
+    if not FUSE_ON_CPU and tuple(platforms) == ("cpu",):
         return list(arrays), None
     import jax.numpy as jnp  # the host side needs numpy only
 
@@ -141,7 +127,7 @@ def start(
     checks it against the servers it is connected to now. `call` names the
     call's check (default: from `names`, see `plan.call_name`), before the
     device's shard suffix. With a `layout`, `arrays` are the fused operands
-    of each dtype (see `Crossing`); `from_callback` says they are a host
+    of each dtype (see `fuse`); `from_callback` says they are a host
     callback's operands (see `_kept`).
     """
     began = timeline.now()

@@ -77,8 +77,7 @@ def _tap_bwd(spec, _, cotangents):
         pushed = [local_piece(c, axis_name) for c in cotangents]
         # the runtime divides by the ranks that pushed; _collect by local
     # the program runs on the default backend: cross as its callbacks do
-    how = _host.crossing((jax.default_backend(),))
-    operands, layout = _host.fuse(pushed, how)
+    operands, layout = _host.fuse(pushed, (jax.default_backend(),))
     ticket = _callback.call(
         jit_errors.in_callback(
             functools.partial(

@@ -81,9 +81,9 @@ def _impl(*args, names, average, priorities, mode):
     return [jnp.asarray(o) for o in _host.done(ticket)]
 
 
-def _callbacks(*args, names, average, priorities, mode, crossing):
+def _callbacks(*args, names, average, priorities, mode, platforms):
     *arrays, shard = args
-    operands, layout = _host.fuse(arrays, crossing)
+    operands, layout = _host.fuse(arrays, platforms)
     ticket = _callback.call(
         jit_errors.in_callback(
             functools.partial(
@@ -187,7 +187,7 @@ def _lowering(ctx, *args, **params):
     mesh = _sharded.lowering_mesh(ctx)
     if mesh is None:
         lower = functools.partial(
-            _callbacks, crossing=_host.crossing(ctx.module_context.platforms)
+            _callbacks, platforms=ctx.module_context.platforms
         )
     else:  # a jit over several devices, traced without a mesh
 
