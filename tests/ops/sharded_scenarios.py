@@ -48,7 +48,7 @@ def _recorded_done(ticket):
 _host.start, _host.done = _recorded, _recorded_done
 
 
-def _data():
+def _real_data():
     rng = np.random.default_rng(0)
     params = {
         "w": rng.standard_normal((WIDTH, WIDTH)).astype(np.float32) * 0.03,
@@ -58,8 +58,12 @@ def _data():
     return params, x.astype(np.float32)
 
 
-def _loss(params, x):
+def _real_loss(params, x):
     return jnp.mean(jnp.tanh(x @ params["w"] + params["b"]) ** 2)
+
+
+# the data and loss of every check; `_exactly` swaps them
+_data, _loss = _real_data, _real_loss
 
 
 def _mine(x):
@@ -264,6 +268,53 @@ def check_paths_agree():
         np.testing.assert_allclose(
             np.asarray(a[key]), np.asarray(b[key]), rtol=1e-5, atol=1e-7
         )
+
+
+def _exact_data():
+    """Small integers: with `_exact_loss` every sum in the gradient is exact
+    in float32, whatever its order."""
+    params, _ = _real_data()
+    rng = np.random.default_rng(1)
+    x = rng.integers(-2, 3, (8 * jax.device_count() * jaxps.size(), WIDTH))
+    return params, x.astype(np.float32)
+
+
+def _exact_loss(params, x):
+    """Linear in the parameters: the gradient is x^T y and the column sums
+    of y over powers of two, independent of the parameters."""
+    y = jnp.roll(x, 1, axis=1)
+    return jnp.mean((x @ params["w"] + params["b"]) * y)
+
+
+@contextlib.contextmanager
+def _exactly():
+    """Every check run inside trains on `_exact_data` and `_exact_loss` and
+    must end with the bits of one process on the whole batch."""
+    global _data, _loss, RTOL, ATOL
+    saved = _data, _loss, RTOL, ATOL
+    _data, _loss, RTOL, ATOL = _exact_data, _exact_loss, 0.0, 0.0
+    try:
+        yield
+    finally:
+        _data, _loss, RTOL, ATOL = saved
+
+
+def check_bitwise():
+    """Where float sums are exact, every path ends with the same bits as
+    one process on the whole batch (the 1-device reference): sharded jit
+    however the mesh is found, each API, shard_map, its overlap, pmap. What
+    differs between paths is then only the order of rounding (see
+    sums_agree), never a missing, doubled or misscaled piece."""
+    with _exactly():
+        for kind in ("explicit", "set_mesh", "auto"):
+            _train(kind, _optimizer_step)
+        _train("explicit", _push_pull_step)
+        _train("set_mesh", _value_and_grad_step)
+        _train("auto", _shard_map_step)
+        _train(
+            "auto", functools.partial(_shard_map_step, grads_of=_overlap_grads)
+        )
+        check_pmap()
 
 
 def check_linen():

@@ -47,3 +47,14 @@ def test_sharded_jit_at_realistic_size(start_servers, tmp_path, devices):
         script=SCRIPT,
         devices=devices,
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_every_path_bitwise_where_sums_are_exact(start_servers, tmp_path):
+    """Integer data and a loss linear in the parameters: each API and path
+    on 4 devices ends with the bits of one process on the whole batch."""
+    servers = start_servers(2, 2, "--round-timeout", "60")
+    run_job(
+        servers, 2, ["bitwise"], tmp_path, timeout=240, script=SCRIPT, devices=4
+    )
