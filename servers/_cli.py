@@ -106,9 +106,17 @@ def _parser() -> argparse.ArgumentParser:
         "--no-data-channel",
         dest="data_channel",
         action="store_false",
-        help="do not offer the data channel (plain TCP on a second, free "
-        "port for bulk payloads); workers then send payloads in gRPC "
-        "messages",
+        help="do not offer the data channel (TCP on a second port for bulk "
+        "payloads, TLS on a TLS server); workers then send payloads in "
+        "gRPC messages",
+    )
+    p.add_argument(
+        "--data-port",
+        type=int,
+        default=0,
+        help="TCP port of the data channel, for a firewall or a Kubernetes "
+        "Service (default: a free one; with --processes P: PORT..PORT+P-1); "
+        "workers that cannot reach it fall back to gRPC messages",
     )
     p.add_argument(
         "--max-message-bytes",
@@ -152,7 +160,8 @@ def _parser() -> argparse.ArgumentParser:
         default=1,
         metavar="P",
         help="run P server processes on ports PORT..PORT+P-1 (--port 0: P "
-        "free ports; --metrics-port M: M..M+P-1), one GIL each; each prints "
+        "free ports; --metrics-port M: M..M+P-1; --data-port D: "
+        "D..D+P-1), one GIL each; each prints "
         "its own ready line, and they stop together (default %(default)s)",
     )
     # Set by the --processes supervisor: end when that parent is gone.
@@ -189,8 +198,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--tls-cert and --tls-key go together")
     if args.tls_client_ca and not args.tls_cert:
         parser.error("--tls-client-ca needs --tls-cert and --tls-key")
-    if not 0 <= args.port < 65536:
-        parser.error(f"--port must be in [0, 65535], got {args.port}")
+    for flag, port in (("--port", args.port), ("--data-port", args.data_port)):
+        if not 0 <= port < 65536:
+            parser.error(f"{flag} must be in [0, 65535], got {port}")
+    if args.data_port and args.data_port == args.port:
+        parser.error(f"--data-port and --port are both {args.port}")
     if args.round_timeout <= 0:
         parser.error(f"--round-timeout must be > 0, got {args.round_timeout}")
     if args.max_memory is not None and args.max_memory < 1:
@@ -212,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     for flag, base in (
         ("--port", args.port),
         ("--metrics-port", args.metrics_port),
+        ("--data-port", args.data_port),
     ):
         if base and base + args.processes - 1 > 65535:
             parser.error(
@@ -233,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         async_mode=args.async_mode,
         max_message_bytes=args.max_message_bytes,
         data_channel=args.data_channel,
+        data_port=args.data_port,
         max_memory=(None if args.max_memory is None else args.max_memory << 20),
         job_idle_timeout=args.job_idle_timeout,
         token=args.token,
@@ -296,6 +310,8 @@ def _supervise(argv: list[str], args: argparse.Namespace) -> int:
             extra += ["--port", str(port)]
             if args.metrics_port:
                 extra += ["--metrics-port", str(args.metrics_port + i)]
+            if args.data_port:
+                extra += ["--data-port", str(args.data_port + i)]
             children.append(
                 process.Child(
                     f"process {i} (--port {port})",

@@ -1,11 +1,21 @@
-"""The data channel: bulk payloads on plain TCP, negotiated over gRPC.
+"""The data channel: bulk payloads on TCP (TLS on TLS servers), negotiated
+over gRPC.
 
 gRPC Python copies every payload several times and runs Python per message;
 plain sockets read a chunk with one ``recv_into`` straight into a buffer and
-send the sum with one ``sendmsg``, both outside the GIL. The frames are in
-`_wire` (``DATA_*``). The worker learns the port and a one-time nonce from
-its Hello over gRPC; its first frame proves the nonce, its rank and job (an
-HMAC under the job's token), and the connection is bound to that rank.
+send the sum with one ``sendmsg``, both outside the GIL. A server with TLS
+speaks TLS here too, with the same certificates (and client certificates
+when it asks for them), so encryption does not cost the fast path. The
+frames are in `_wire` (``DATA_*``). The worker learns the port and a
+one-time nonce from its Hello over gRPC; its first frame proves the nonce,
+its rank and job (an HMAC under the job's token), and the connection is
+bound to that rank.
+
+What reaches the hello is bounded: at most `MAX_UNAUTHENTICATED`
+connections (`MAX_UNAUTHENTICATED_PER_SOURCE` from one address) may be
+waiting for theirs, each for `HELLO_TIMEOUT` seconds; more are closed at
+once. The accept loop outlives a full file table (EMFILE, ENFILE) and
+aborted connections: it logs, backs off and goes on.
 
 Each connection has a reader thread (frames in, payloads into reused
 buffers) and a writer thread (acknowledgements and sums out). The round
@@ -17,15 +27,15 @@ once, windows, deadlines and error messages are those of the gRPC path.
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import logging
 import queue
 import secrets
 import socket
+import ssl
 import threading
 import time
-
-import numpy as np
 
 from . import _wire
 
@@ -35,8 +45,21 @@ log = logging.getLogger("jaxps.server")
 NONCE_TTL = 120.0
 #: Most nonces offered and not yet used (older ones are dropped).
 MAX_NONCES = 4096
-#: Seconds a new connection has to send its hello.
-HELLO_TIMEOUT = 10.0
+#: Seconds a new connection has to finish TLS and send its hello.
+HELLO_TIMEOUT = 5.0
+#: Most connections waiting for their hello, in all and from one address.
+MAX_UNAUTHENTICATED = 128
+MAX_UNAUTHENTICATED_PER_SOURCE = 32
+#: Errors of ``accept`` that leave the listener usable (back off, go on).
+_ACCEPT_TRANSIENT = {
+    errno.EMFILE,
+    errno.ENFILE,
+    errno.ENOBUFS,
+    errno.ENOMEM,
+    errno.ECONNABORTED,
+    errno.EPROTO,
+    errno.EPERM,
+}
 #: Most payload buffers kept for reuse, in bytes, per server.
 POOL_BYTES = 512 * 1024 * 1024
 
@@ -106,6 +129,12 @@ class DataChannel:
       loop: the event loop `core` runs on.
       token: the job's shared token (None: the mac uses an empty key).
       max_payload_bytes: largest accepted payload.
+      port: the port to listen on (0: a free one).
+      tls: the server side of TLS (`server_tls_context`), or None for
+        plain TCP.
+
+    Raises:
+      OSError: naming the port if it cannot be bound.
     """
 
     def __init__(
@@ -116,19 +145,32 @@ class DataChannel:
         *,
         token: str | None,
         max_payload_bytes: int,
+        port: int = 0,
+        tls: ssl.SSLContext | None = None,
     ):
         self.core = core
+        self.tls = tls
         self.loop = loop
         self.token = token
         self.max_payload_bytes = max_payload_bytes
         self.pool = _BufferPool(POOL_BYTES)
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-        self._listener = socket.create_server(
-            (host.strip("[]"), 0), family=family, backlog=128
-        )
+        try:
+            self._listener = socket.create_server(
+                (host.strip("[]"), port), family=family, backlog=128
+            )
+        except OSError as err:
+            raise OSError(
+                err.errno,
+                f"jaxps-server cannot bind its data channel to {host} port "
+                f"{port}: {err.strerror} (--data-port)",
+            ) from None
         self.port = self._listener.getsockname()[1]
-        self._nonces: dict[bytes, tuple[int, str, float]] = {}
+        self._nonces: dict[bytes, tuple[int, str, str, float]] = {}
         self._lock = threading.Lock()
+        #: connections waiting for their hello, by source address
+        self._unauthenticated: dict[str, int] = {}
+        self.refused = 0  # connections closed at once (over the caps)
         self._connections: set[_Connection] = set()
         self._closed = False
         self._thread = threading.Thread(
@@ -158,11 +200,27 @@ class DataChannel:
         return offer[:3]
 
     def _accept_loop(self) -> None:
+        backoff = 0.0
         while True:
             try:
                 sock, peer = self._listener.accept()
-            except OSError:
-                return  # closed
+            except OSError as err:
+                if self._closed or err.errno not in _ACCEPT_TRANSIENT:
+                    return  # closed
+                backoff = min(1.0, max(0.05, 2 * backoff))
+                log.warning(
+                    "data channel on port %d cannot accept (%s); trying "
+                    "again in %.2f s",
+                    self.port,
+                    err.strerror,
+                    backoff,
+                )
+                time.sleep(backoff)
+                continue
+            backoff = 0.0
+            if not self._admit(peer[0]):
+                sock.close()
+                continue
             conn = _Connection(self, sock, peer)
             with self._lock:
                 if self._closed:
@@ -170,6 +228,42 @@ class DataChannel:
                     return
                 self._connections.add(conn)
             conn.start()
+
+    def _admit(self, source: str) -> bool:
+        """Counts a new connection from `source` as waiting for its hello,
+        unless that would pass the caps (then it is refused)."""
+        with self._lock:
+            waiting = sum(self._unauthenticated.values())
+            mine = self._unauthenticated.get(source, 0)
+            if (
+                waiting >= MAX_UNAUTHENTICATED
+                or mine >= MAX_UNAUTHENTICATED_PER_SOURCE
+            ):
+                self.refused += 1
+                refused = self.refused
+            else:
+                self._unauthenticated[source] = mine + 1
+                return True
+        if refused in (1, 10, 100) or refused % 1000 == 0:
+            log.warning(
+                "data channel on port %d refused %d connection(s) that "
+                "had not said hello: %d wait already (%d from %s)",
+                self.port,
+                refused,
+                waiting,
+                mine,
+                source,
+            )
+        return False
+
+    def authenticated(self, source: str) -> None:
+        """A connection from `source` is done with its hello (either way)."""
+        with self._lock:
+            left = self._unauthenticated.get(source, 1) - 1
+            if left > 0:
+                self._unauthenticated[source] = left
+            else:
+                self._unauthenticated.pop(source, None)
 
     def forget(self, conn: _Connection) -> None:
         with self._lock:
@@ -189,20 +283,28 @@ class DataChannel:
             conn.close()
 
 
+def server_tls_context(
+    cert: str, key: str, client_ca: str | None = None
+) -> ssl.SSLContext:
+    """The data channel's TLS: the gRPC server's certificate and key, and
+    client certificates signed by `client_ca` required if it is given."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert, key)
+    if client_ca:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(client_ca)
+    # No session tickets: nothing but the writer thread ever writes.
+    context.num_tickets = 0
+    return context
+
+
 def _send(sock: socket.socket, head: bytes, body) -> None:
-    """Sends `head` and `body` with as few system calls as possible."""
+    """Sends a frame: `head`, then `body` unless it is None."""
     if body is None:
-        sock.sendall(head)
-        return
-    if isinstance(body, np.ndarray):  # also dtypes without a buffer format
-        body = body.reshape(-1).view(np.uint8)
-    body = memoryview(body).cast("B")
-    sent = sock.sendmsg((head, body))
-    if sent < len(head):
-        sock.sendall(memoryview(head)[sent:])
-        sent = len(head)
-    if sent - len(head) < len(body):
-        sock.sendall(body[sent - len(head) :])
+        _wire.send_frame(sock, head)
+    else:
+        _wire.send_frame(sock, head, body)
 
 
 class _Connection:
@@ -264,11 +366,25 @@ class _Connection:
                 self.sock.close()
 
     def _handshake(self) -> bool:
+        try:
+            return self._hello()
+        finally:
+            self.channel.authenticated(self.peer[0])
+
+    def _hello(self) -> bool:
+        """TLS (on TLS servers), then the worker's hello, within
+        `HELLO_TIMEOUT`; False if refused (the worker was told why)."""
+        deadline = time.monotonic() + HELLO_TIMEOUT
         self.sock.settimeout(HELLO_TIMEOUT)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.setsockopt(
             socket.SOL_SOCKET, socket.SO_SNDBUF, _wire.DATA_SNDBUF
         )
+        if self.channel.tls is not None:
+            self.sock = self.channel.tls.wrap_socket(
+                self.sock, server_side=True
+            )
+            self.sock.settimeout(max(0.1, deadline - time.monotonic()))
         raw = memoryview(bytearray(_wire.DATA_HELLO.size))
         _wire.recv_exact(self.sock, raw)
         magic, version, rank, nonce, mac = _wire.DATA_HELLO.unpack(raw)

@@ -41,9 +41,10 @@ class ServerOptions:
       metrics_port: serve Prometheus metrics on this port (None: off).
       status_interval: print a one-line status every so many seconds
         (None: off).
-      data_channel: offer workers the data channel (plain TCP for bulk
-        payloads, `_data`); never with TLS, whose workers keep payloads in
-        the gRPC messages.
+      data_channel: offer workers the data channel (TCP for bulk payloads,
+        `_data`; TLS with the same certificates on a TLS server).
+      data_port: the data channel's TCP port (0: a free one); fix it for a
+        firewall or a Kubernetes Service.
       max_memory: most bytes of accumulators and sums held at once (None:
         half the host's memory); past it a push gets RESOURCE_EXHAUSTED.
       job_idle_timeout: seconds a job incarnation may be idle before its
@@ -67,6 +68,7 @@ class ServerOptions:
     metrics_port: int | None = None
     status_interval: float | None = None
     data_channel: bool = True
+    data_port: int = 0
     max_memory: int | None = None
     job_idle_timeout: float = 600.0
 
@@ -188,16 +190,21 @@ def create_server(opts: ServerOptions) -> Server:
     if port == 0:
         raise OSError(f"jaxps-server cannot bind {address}: address in use?")
     servicer.shm = _fdpass.FdInbox(f"jaxps-shm-{summation.incarnation}")
-    if opts.data_channel and not opts.tls_cert:
+    if opts.data_channel:
+        tls = None
+        if opts.tls_cert:
+            tls = _data.server_tls_context(
+                opts.tls_cert, opts.tls_key, opts.tls_client_ca
+            )
         servicer.data = _data.DataChannel(
             summation,
             opts.host,
             asyncio.get_running_loop(),
             token=opts.token,
             max_payload_bytes=opts.max_message_bytes,
+            port=opts.data_port,
+            tls=tls,
         )
-    elif opts.data_channel:
-        log.info("TLS is on: no data channel, payloads go in gRPC messages")
     return Server(server, servicer, health, port, opts)
 
 

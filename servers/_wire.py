@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import mmap
 import socket
+import ssl
 import struct
 import zlib
 
@@ -275,10 +276,35 @@ def data_mac(token: str | None, nonce: bytes, rank: int, job_id: str) -> bytes:
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fills `view` from a blocking socket (one ``recv_into`` in the common
-    case); raises ConnectionError if the peer closes first."""
+    """Fills `view` from a blocking socket, plain or TLS (one ``recv_into``
+    in the common case); raises ConnectionError if the peer closes first."""
+    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
     while len(view):
-        n = sock.recv_into(view, len(view), socket.MSG_WAITALL)
+        n = sock.recv_into(view, len(view), flags)
         if n == 0:
             raise ConnectionError("the peer closed the data connection")
         view = view[n:]
+
+
+def send_frame(sock: socket.socket, *parts) -> None:
+    """Sends `parts` (bytes, memoryviews or arrays) in order, with as few
+    system calls as possible: one ``sendmsg`` on a plain socket; on TLS,
+    the small head in one record and the payload straight after."""
+    views = []
+    for part in parts:
+        if isinstance(part, np.ndarray):  # also dtypes without a format
+            part = part.reshape(-1).view(np.uint8)
+        views.append(memoryview(part).cast("B"))
+    if isinstance(sock, ssl.SSLSocket):
+        *head, body = views
+        if head:
+            sock.sendall(b"".join(head))
+        sock.sendall(body)
+        return
+    sent = sock.sendmsg(views)
+    for view in views:  # the rest of a partial send
+        if sent >= len(view):
+            sent -= len(view)
+            continue
+        sock.sendall(view[sent:])
+        sent = 0

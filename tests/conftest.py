@@ -4,6 +4,7 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
+import subprocess  # noqa: E402
 import time  # noqa: E402
 
 import pytest  # noqa: E402
@@ -63,3 +64,34 @@ def module_server():
     server = ServerProcess(2)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def certificate(tmp_path_factory):
+    """A self-signed (cert, key) for localhost and 127.0.0.1: the servers'
+    certificate, the CA that signs it, and a client certificate."""
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = d / "cert.pem", d / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return str(cert), str(key)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import secrets
 import socket
+import ssl
 import time
 
 import grpc
@@ -56,6 +57,24 @@ def channel_credentials(config) -> grpc.ChannelCredentials | None:
         private_key=read(key, "tls_key") if key else None,
         certificate_chain=read(cert, "tls_cert") if cert else None,
     )
+
+
+def tls_context(config) -> ssl.SSLContext | None:
+    """The data channel's TLS, from the same PEM files as
+    `channel_credentials`; None without TLS."""
+    if not config.tls_ca:
+        return None
+    try:
+        context = ssl.create_default_context(cafile=config.tls_ca)
+        if config.tls_cert:
+            context.load_cert_chain(config.tls_cert, config.tls_key)
+    except (OSError, ssl.SSLError) as err:
+        raise errors.ConfigError(
+            f"cannot load the TLS files tls_ca={config.tls_ca!r}, "
+            f"tls_cert={config.tls_cert!r}, tls_key={config.tls_key!r}: {err}"
+        ) from None
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
 
 
 class ServerClient:
@@ -171,6 +190,13 @@ class ServerClient:
         """
         if init_id is None:
             init_id = secrets.token_hex(8)
+        self._hello_args = dict(
+            job_id=job_id,
+            rank=rank,
+            num_workers=num_workers,
+            init_id=init_id,
+            generation=generation,
+        )
         request = pb.HelloRequest(
             version=_wire.PROTOCOL_VERSION,
             job_id=job_id,
@@ -214,6 +240,11 @@ class ServerClient:
             session=reply.session,
         )
         return reply.incarnation
+
+    def hello_again(self) -> None:
+        """Repeats the last hello in the same session (a reconnect): the
+        server offers a new data-channel nonce."""
+        self.hello(**self._hello_args)
 
     def attach(self, fd: int, size: int) -> int:
         """Has the server map a sealed memfd of `size` bytes; returns the

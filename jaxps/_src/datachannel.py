@@ -1,8 +1,10 @@
-"""The worker's end of a data channel: chunks on plain TCP to one server.
+"""The worker's end of a data channel: chunks on TCP (or TLS) to one server.
 
 A `DataConnection` is opened with the port and nonce of the server's
-HelloReply. `push_pull` sends a chunk's header, name and payload with one
-``sendmsg`` straight from the source array; a reader thread takes the
+HelloReply, within `CONNECT_TIMEOUT` (a blocked port is found in seconds,
+not at the job's timeout). `push_pull` sends a chunk's header, name and
+payload with one ``sendmsg`` straight from the source array (on TLS, one
+record for the head and the payload after it); a reader thread takes the
 server's answers: an acknowledgement (the push is accepted: credit goes
 back) and later the sum, received with one ``recv_into`` straight into the
 chunk's output array. A watchdog fails every request whose deadline passed
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +28,8 @@ from jaxps.servers import _wire
 
 #: How often the watchdog looks at the deadlines.
 _TICK = 0.25
+#: Seconds to connect, finish TLS and the hello of a data connection.
+CONNECT_TIMEOUT = 2.0
 
 
 class _Request:
@@ -50,7 +55,13 @@ class DataConnection:
       job_id: the job id.
       token: the job's shared token, or None.
       incarnation: the server's incarnation id from its HelloReply.
-      timeout: seconds to connect and to wait for any answer.
+      timeout: seconds to wait for any answer.
+      tls: the client side of TLS (`client.tls_context`), or None.
+      connect_timeout: seconds to connect and say hello.
+
+    Raises:
+      ServerUnavailableError: the port cannot be reached, or the hello
+        was not answered, within `connect_timeout`.
     """
 
     def __init__(
@@ -64,16 +75,22 @@ class DataConnection:
         token: str | None,
         incarnation: str,
         timeout: float,
+        tls: ssl.SSLContext | None = None,
+        connect_timeout: float = CONNECT_TIMEOUT,
     ):
         self.address = address
+        self.port = port
         host = address.rpartition(":")[0].strip("[]")
         self.timeout = timeout
+        connect_timeout = min(connect_timeout, timeout)
         try:
-            self.sock = socket.create_connection((host, port), timeout)
+            self.sock = socket.create_connection((host, port), connect_timeout)
+            if tls is not None:
+                self.sock = tls.wrap_socket(self.sock, server_hostname=host)
         except OSError as err:
             raise errors.ServerUnavailableError(
                 f"server {address}: cannot open its data channel on port "
-                f"{port}: {err}"
+                f"{port} within {connect_timeout:g} s: {err}"
             ) from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.setsockopt(
@@ -171,16 +188,9 @@ class DataConnection:
             self._pending[rid] = _Request(
                 header, dest, on_ack, on_done, deadline
             )
-        body = memoryview(source.reshape(-1).view(np.uint8))
         try:
             with self._send_lock:
-                sent = self.sock.sendmsg((head, name, body))
-                rest = len(head) + len(name)
-                if sent < rest:
-                    self.sock.sendall((head + name)[sent:])
-                    sent = rest
-                if sent - rest < len(body):
-                    self.sock.sendall(body[sent - rest :])
+                _wire.send_frame(self.sock, head, name, source)
         except OSError as err:
             self._fail_all(
                 errors.ServerUnavailableError(
@@ -207,19 +217,19 @@ class DataConnection:
                 elif kind == _wire.DATA_SUM:
                     self._sum(rid, req, size, count)
                 elif kind == _wire.DATA_ERROR:
-                    body = bytearray(min(size, _wire.DATA_MAX_TEXT))
+                    if size > _wire.DATA_MAX_TEXT:
+                        raise self._violation(f"an error of {size} bytes")
+                    body = bytearray(size)
                     _wire.recv_exact(self.sock, memoryview(body))
                     err = self._error(
                         status, body.decode(errors="replace"), req
                     )
-                    if req is None:
+                    if rid == 0:
                         raise err  # about the connection itself
-                    self._end(rid, err)
+                    if req is not None:  # else: late, its request ended
+                        self._end(rid, err)
                 else:
-                    raise errors.JaxpsError(
-                        f"server {self.address} sent an unknown data frame "
-                        f"kind {kind}"
-                    )
+                    raise self._violation(f"a frame of unknown kind {kind}")
         except (OSError, ConnectionError) as err:
             if self._stop.is_set():
                 err = errors.JaxpsError("the data connection was closed")
@@ -232,6 +242,20 @@ class DataConnection:
             )
         except errors.JaxpsError as err:
             self._fail_all(err)
+        except Exception as err:  # noqa: BLE001 - a bug must not hang chunks
+            self._fail_all(
+                errors.ServerUnavailableError(
+                    f"server {self.address}: data channel reader failed: "
+                    f"{err!r}"
+                )
+            )
+
+    def _violation(self, what: str) -> errors.ServerUnavailableError:
+        """The connection's end: the server sent `what`, which the protocol
+        does not allow (its chunks go again over gRPC)."""
+        return errors.ServerUnavailableError(
+            f"server {self.address}: data channel protocol violation: {what}"
+        )
 
     def _sum(
         self, rid: int, req: _Request | None, size: int, contributors: int

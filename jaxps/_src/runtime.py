@@ -41,7 +41,11 @@ import numpy as np
 
 from jaxps._src import errors, plan, shm, topology
 from jaxps._src import timeline as _timeline
-from jaxps._src.client import ServerClient, channel_credentials
+from jaxps._src.client import (
+    ServerClient,
+    channel_credentials,
+    tls_context,
+)
 from jaxps._src.config import Config
 from jaxps._src.datachannel import DataConnection
 from jaxps._src.failover import RecoveringTransport
@@ -300,9 +304,7 @@ class Runtime:
                 ),
                 config.worker_rank,
             )
-        self._transports = [
-            make_transport(c, config, self.timeline) for c in clients
-        ]
+        self._transports = _open_transports(clients, config, self.timeline)
         if config.recovery_window > 0 and not self.async_servers:
             # Async servers hold the parameters: a restart loses them.
             self._transports = [
@@ -663,6 +665,31 @@ class Runtime:
             self.timeline = None
 
 
+def _open_transports(
+    clients: list[ServerClient], config: Config, timeline
+) -> list[Transport]:
+    """`make_transport` of every client, all at once: the data channels
+    of several servers are opened (or found unreachable) in parallel."""
+    if len(clients) <= 1:
+        return [make_transport(c, config, timeline) for c in clients]
+    with concurrent.futures.ThreadPoolExecutor(len(clients)) as pool:
+        futures = [
+            pool.submit(make_transport, c, config, timeline) for c in clients
+        ]
+    made, failed = [], None
+    for client, future in zip(clients, futures):
+        try:
+            made.append(future.result())
+        except BaseException as err:  # noqa: BLE001 - raised below
+            client.close()
+            failed = failed or err
+    if failed is not None:
+        for transport in made:
+            transport.close()
+        raise failed
+    return made
+
+
 def make_transport(
     client: ServerClient, config: Config, timeline=None
 ) -> Transport:
@@ -687,17 +714,25 @@ def make_transport(
             return ShmTransport(client, pool, timeline)
     if transport == "tcp" or (transport == "auto" and not local):
         if client.data_port:
-            connection = DataConnection(
-                client.address,
-                client.data_port,
-                client.data_nonce,
-                rank=config.worker_rank,
-                job_id=config.job_id,
-                token=config.token,
-                incarnation=client.incarnation,
-                timeout=config.timeout,
-            )
-            return TcpTransport(client, connection, timeline)
+            tls = tls_context(config)
+
+            def open_data() -> DataConnection:
+                if not client.data_nonce:  # used: a new hello, a new one
+                    client.hello_again()
+                nonce, client.data_nonce = client.data_nonce, b""
+                return DataConnection(
+                    client.address,
+                    client.data_port,
+                    nonce,
+                    rank=config.worker_rank,
+                    job_id=config.job_id,
+                    token=config.token,
+                    incarnation=client.incarnation,
+                    timeout=config.timeout,
+                    tls=tls,
+                )
+
+            return TcpTransport(client, open_data, timeline)
         log.info(
             "jaxps: server %s offers no data channel; payloads go in gRPC "
             "messages",

@@ -1,10 +1,18 @@
-"""Payloads on the server's data channel: plain TCP, negotiated over gRPC."""
+"""Payloads on the server's data channel: TCP or TLS, negotiated over gRPC.
+
+A server's data channel that cannot be reached (a firewall, a Service
+without the port) or that is lost mid-job does not stop the job: its
+chunks go in gRPC messages, one warning names the port and the fix, and
+the channel is tried again after `RETRY_FIRST` seconds, doubling up to
+`RETRY_MAX`.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from jaxps._src import errors
 from jaxps._src.datachannel import DataConnection
@@ -17,6 +25,11 @@ from jaxps._src.transport import (
 from jaxps._src.transport_grpc import GrpcTransport
 
 log = logging.getLogger("jaxps")
+
+#: Seconds before a lost data channel is tried again; doubles up to
+#: RETRY_MAX after each failed try.
+RETRY_FIRST = 5.0
+RETRY_MAX = 120.0
 
 
 class _Spent:
@@ -40,18 +53,90 @@ class TcpTransport(GrpcTransport):
     A chunk whose connection broke goes again over gRPC (Push, then Pull):
     the server counts a repeated push once, so this is safe, and a server
     that is really gone is then named by the gRPC path's retry window.
+    While there is no connection, chunks go over gRPC and `open` is tried
+    again with backoff.
+
+    Args:
+      client: the server's gRPC client.
+      open: opens a new `DataConnection` (after a new hello); raises
+        `ServerUnavailableError` if the port cannot be reached.
+      timeline: where spans go, or None.
     """
 
-    def __init__(self, client, connection: DataConnection, timeline=None):
+    def __init__(
+        self, client, open: Callable[[], DataConnection], timeline=None
+    ):
         super().__init__(client, timeline)
-        self.connection = connection
+        self._open = open
         self._lock = threading.Lock()
         self._closed = False
+        self._retry_at = 0.0
+        self._backoff = RETRY_FIRST
+        self._opening = False
+        self._warned = False
+        self.connection: DataConnection | None = None
+        try:
+            self.connection = open()
+        except errors.ServerUnavailableError as err:
+            self._lost(err)
+
+    def _lost(self, err: errors.JaxpsError) -> None:
+        """No connection from now until the next try (`_retry_at`)."""
+        with self._lock:
+            self._retry_at = time.monotonic() + self._backoff
+            wait, self._backoff = (
+                self._backoff,
+                min(RETRY_MAX, 2 * self._backoff),
+            )
+            first, self._warned = not self._warned, True
+        (log.warning if first else log.info)(
+            "jaxps: %s; its payloads go in gRPC messages, and the data "
+            "channel is tried again in %.0f s. Open TCP port %s to the "
+            "server (jaxps-server --data-port fixes it), or set "
+            "JAXPS_TRANSPORT=grpc to not use the data channel.",
+            err,
+            wait,
+            self.client.data_port,
+        )
+
+    def _maybe_reopen(self) -> None:
+        """Starts one try to open the data channel again, if it is time."""
+        with self._lock:
+            if (
+                self._closed
+                or self._opening
+                or time.monotonic() < self._retry_at
+            ):
+                return
+            self._opening = True
+        threading.Thread(
+            target=self._reopen, name="jaxps-data-reopen", daemon=True
+        ).start()
+
+    def _reopen(self) -> None:
+        try:
+            conn = self._open()
+        except errors.JaxpsError as err:
+            self._lost(err)
+        else:
+            with self._lock:
+                closed = self._closed
+                if not closed:
+                    self.connection = conn
+                    self._backoff = RETRY_FIRST
+            if closed:
+                conn.close()
+            else:
+                log.info("jaxps: data channel of %s open again", self.address)
+        finally:
+            with self._lock:
+                self._opening = False
 
     def send(self, chunk: Chunk, credit: Credit) -> None:
         pushed = self._span("queue", chunk.queued, chunk)
         conn = self.connection
         if conn is None:
+            self._maybe_reopen()
             self.push_then_pull(chunk, credit, pushed)
             return
         source = chunk.source
@@ -117,17 +202,13 @@ class TcpTransport(GrpcTransport):
             if conn is None or self.connection is not conn:
                 return
             self.connection = None
-        log.warning(
-            "jaxps: the data channel of server %s failed (%s); its payloads "
-            "go in gRPC messages from now on",
-            self.address,
-            err,
-        )
+        self._lost(err)
         threading.Thread(target=conn.close, daemon=True).start()
 
     def close(self) -> None:
-        self._closed = True
-        conn, self.connection = self.connection, None
+        with self._lock:
+            self._closed = True
+            conn, self.connection = self.connection, None
         if conn is not None:
             conn.close()
         super().close()

@@ -1,7 +1,6 @@
 """Token auth, TLS, protocol version and health, against real servers."""
 
 import concurrent.futures
-import subprocess
 
 import grpc
 import numpy as np
@@ -79,35 +78,6 @@ def test_token_required_and_unauthenticated_push_never_sums(start_servers):
         outs = list(pool.map(work, [0, 1]))
     for out in outs:  # the rejected pushes of 100 never reached the sum
         np.testing.assert_array_equal(out, 2)
-
-
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tls")
-    cert, key = d / "cert.pem", d / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "1",
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1,DNS:localhost",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return str(cert), str(key)
 
 
 @pytest.mark.timeout(60)
