@@ -20,7 +20,9 @@ links to a bridge in a hub namespace; both ends of every link are shaped to
 * ring: a ring all-reduce of the same array with gloo (``jax.distributed``
   with n processes of one CPU device, a jitted psum), in the worker
   namespaces; run once per n;
-* plain PS: jaxps with the k CPU servers only, no colocated servers.
+* plain PS: jaxps with the k CPU servers only, no colocated servers;
+* with ``--tls``: jaxps mixed mode again with every server on TLS (the data
+  channel too; a self-signed certificate for the run), against plaintext.
 
 jaxps mixed mode runs k CPU servers (``python -m jaxps.servers``) in the
 server namespaces and one colocated server in each worker namespace. With
@@ -53,6 +55,7 @@ import shutil
 import signal
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -283,6 +286,8 @@ class Bench:
         self.cluster = cluster
         self.args = args
         self.log_dir = log_dir
+        #: (certificate, key) of the TLS runs, or None
+        self.tls: tuple[str, str] | None = None
         self.model_bytes = args.elements * 4
         self.port = BASE_PORT
         self.run_timeout = 120.0 + (args.repeats + 1) * 20.0 * (
@@ -340,9 +345,14 @@ class Bench:
             sink.stop()
         return results([sink])[0]["mbit"]
 
-    def jaxps(self, n: int, k: int, colocated: bool) -> dict:
-        """One jaxps run: k CPU servers (+ n colocated), n workers."""
+    def jaxps(self, n: int, k: int, colocated: bool, tls: bool = False) -> dict:
+        """One jaxps run: k CPU servers (+ n colocated), n workers; `tls`:
+        every server and worker on TLS (`self.tls`: certificate, key)."""
         label = f"{'mixed' if colocated else 'plain'}-{n}-{k}"
+        label += "-tls" if tls else ""
+        tls_flags: tuple[str, ...] = ()
+        if tls:
+            tls_flags = ("--tls-cert", self.tls[0], "--tls-key", self.tls[1])
         procs = self.args.server_processes
         port = self.next_port(procs)
         placed = [
@@ -362,6 +372,7 @@ class Bench:
                     "--round-timeout",
                     str(JAXPS_TIMEOUT),
                     *(("--processes", str(count)) if count > 1 else ()),
+                    *tls_flags,
                     host=host.ip,
                     port=port,
                 )
@@ -390,6 +401,7 @@ class Bench:
                         "JAXPS_JOB_ID": label,
                         "JAXPS_PARTITION_BYTES": str(self.args.partition_bytes),
                         "JAXPS_TRANSPORT": self.args.transport,
+                        **({"JAXPS_TLS_CA": self.tls[0]} if tls else {}),
                     }
                 )
                 argv = child_argv(
@@ -795,6 +807,11 @@ def parse_args(argv):
         "--no-plain", action="store_true", help="skip the plain PS runs"
     )
     p.add_argument(
+        "--tls",
+        action="store_true",
+        help="also run mixed mode with TLS everywhere, against plaintext",
+    )
+    p.add_argument(
         "--keep-logs",
         action="store_true",
         help="keep the children's logs (kept anyway on failure)",
@@ -884,6 +901,8 @@ def main(argv=None) -> int:
         cluster.up()
         log(f"link: {cluster.shaping()}")
         bench = Bench(cluster, args, log_dir)
+        if args.tls:
+            bench.tls = _certificate(cluster, log_dir)
         goodput = bench.goodput()
         log(f"one TCP stream: {goodput:.1f} Mbit/s")
         ring: dict[int, dict] = {}
@@ -901,7 +920,21 @@ def main(argv=None) -> int:
                 log(f"jaxps plain PS, n={n} k={k} ...")
                 rows[(n, k)]["plain"] = bench.jaxps(n, k, colocated=False)
                 log(f"  {_times(rows[(n, k)]['plain'])}")
+            if args.tls:
+                log(f"jaxps mixed mode with TLS, n={n} k={k} ...")
+                rows[(n, k)]["tls"] = bench.jaxps(n, k, True, tls=True)
+                log(f"  {_times(rows[(n, k)]['tls'])}")
         print_report(args, cluster, goodput, rows, ring, cpu)
+        if args.tls:
+            print("\nTLS everywhere (data channel on TLS) against plaintext, ")
+            print("mixed mode, in the same run (median slowest worker):")
+            for (n, k), row in rows.items():
+                plain = statistics.median(row["mixed"]["times"])
+                tls = statistics.median(row["tls"]["times"])
+                print(
+                    f"  ({n},{k}): plaintext {plain:.2f} s, TLS {tls:.2f} s, "
+                    f"TLS/plaintext {tls / plain:.2f}"
+                )
         log(f"total {time.monotonic() - cpu.wall:.0f} s")
         ok = True
     finally:
@@ -912,6 +945,22 @@ def main(argv=None) -> int:
         else:
             log(f"logs kept in {log_dir}")
     return 0
+
+
+def _certificate(cluster, directory: str) -> tuple[str, str]:
+    """A self-signed certificate for every host's address, and its key."""
+    cert = os.path.join(directory, "cert.pem")
+    key = os.path.join(directory, "key.pem")
+    if not os.path.exists(cert):
+        names = ",".join(f"IP:{h.ip}" for h in cluster.hosts)
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes",
+             "-keyout", key, "-out", cert, "-days", "1", "-subj", "/CN=jaxps",
+             "-addext", f"subjectAltName={names}"],
+            check=True,
+            capture_output=True,
+        )  # fmt: skip
+    return cert, key
 
 
 def _times(run: dict) -> str:

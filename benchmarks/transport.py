@@ -16,12 +16,15 @@ payload up and the same back, in calls of each size, for every path:
   as the ops donate their device-to-host copies) against a
   1-worker ``jaxps-server`` with shared memory off: the path of a server on
   another host. ``--transports`` picks them (``grpc``: payloads in gRPC
-  messages; ``tcp``: the data channel).
+  messages; ``tcp``: the data channel; ``tls``: the data channel of a
+  server with TLS, a self-signed certificate made for the run;
+  ``grpc-tls``: payloads in gRPC messages to that server, which was the
+  only TLS path before the data channel spoke TLS).
 
 CPU is user+sys of both processes over the timed calls (so it holds on a
 busy machine); cpu-s/GB counts the bytes sent up (10^9 bytes). The table
-gives each path's cost over the TCP echo's and over the gRPC echo's, measured
-in the same run.
+gives each path's cost over the TCP echo's, the gRPC echo's and the plaintext
+data channel's (``jaxps-tcp``), measured in the same run.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import os
 import resource
 import socket
 import struct
+import subprocess
 import sys
 import tempfile
 import threading
@@ -199,7 +203,11 @@ def jaxps_client(args) -> dict:
         shm_bytes=0,
         partition_bytes=args.partition_mib * MB,
     )
-    if args.transport != "grpc-default":
+    if args.transport == "tls":
+        settings.update(transport="tcp", tls_ca=args.tls_cert)
+    elif args.transport == "grpc-tls":
+        settings.update(transport="grpc", tls_ca=args.tls_cert)
+    elif args.transport != "grpc-default":
         settings["transport"] = args.transport
     rt = Runtime(Config(**settings))
     x = np.random.default_rng(0).random(args.size_mib * MB // 4, np.float32)
@@ -221,11 +229,15 @@ def jaxps_client(args) -> dict:
 
 def _server_argv(path: str, args) -> list[str]:
     if path.startswith("jaxps"):
+        tls = []
+        if path in ("jaxps-tls", "jaxps-grpc-tls"):
+            tls = ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
         return [sys.executable, "-m", "jaxps.servers", "--port", "0"] + [
             "--num-workers",
             "1",
             "--max-message-bytes",
             str(args.partition_mib * MB + 65536),
+            *tls,
         ]
     role = "tcp-server" if path == "tcp" else "grpc-server"
     return [sys.executable, os.path.abspath(__file__), "--role", role] + [
@@ -234,6 +246,20 @@ def _server_argv(path: str, args) -> list[str]:
         "--partition-mib",
         str(args.partition_mib),
     ]
+
+
+def _certificate(directory: str) -> tuple[str, str]:
+    """A self-signed certificate and key for 127.0.0.1, for ``jaxps-tls``."""
+    cert = os.path.join(directory, "cert.pem")
+    key = os.path.join(directory, "key.pem")
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes",
+         "-keyout", key, "-out", cert, "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return cert, key
 
 
 def run_path(path: str, size_mib: int, args, log_dir: str) -> dict:
@@ -251,6 +277,7 @@ def run_path(path: str, size_mib: int, args, log_dir: str) -> dict:
         argv += ["--partition-mib", str(args.partition_mib)]
         if path.startswith("jaxps-"):
             argv += ["--transport", path[len("jaxps-") :]]
+            argv += ["--tls-cert", args.tls_cert]
         client = Child(f"{path}-{size_mib}-client", argv, log_dir)
         started.append(client)
         line = client.wait_for_line(RESULT, args.call_timeout)
@@ -269,7 +296,7 @@ def main(argv=None) -> int:
     p.add_argument("--sizes-mib", default="4,64")
     p.add_argument("--total-mib", type=int, default=2048)
     p.add_argument("--partition-mib", type=int, default=4)
-    p.add_argument("--transports", default="grpc,tcp")
+    p.add_argument("--transports", default="grpc,tcp,tls")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--call-timeout", type=float, default=300)
     # child roles
@@ -279,6 +306,8 @@ def main(argv=None) -> int:
     p.add_argument("--size-mib", type=int)
     p.add_argument("--calls", type=int)
     p.add_argument("--transport", default="grpc")
+    p.add_argument("--tls-cert", default="")
+    p.add_argument("--tls-key", default="")
     args = p.parse_args(argv)
     args.sizes_mib = [int(s) for s in args.sizes_mib.split(",")]
     roles = {
@@ -299,6 +328,7 @@ def main(argv=None) -> int:
     ]
     table: dict = {}
     with tempfile.TemporaryDirectory(prefix="jaxps-transport-") as log_dir:
+        args.tls_cert, args.tls_key = _certificate(log_dir)
         for rep in range(args.repeats):
             for size in args.sizes_mib:
                 for path in paths:
@@ -310,12 +340,13 @@ def main(argv=None) -> int:
                     )
                     table.setdefault((path, size), []).append(r)
     header = ["path", "MiB/call", "cpu-s/GB", "server cpu-s/GB", "GB/s"]
-    header += ["x tcp", "x grpc-echo"]
+    header += ["x tcp", "x grpc-echo", "x jaxps-tcp"]
     rows = []
     for size in args.sizes_mib:
         base = {
             peer: _common.median([r["cpu_per_gb"] for r in table[(peer, size)]])
-            for peer in ("tcp", "grpc-echo")
+            for peer in ("tcp", "grpc-echo", "jaxps-tcp")
+            if (peer, size) in table
         }
         for path in paths:
             runs = table[(path, size)]
@@ -329,6 +360,9 @@ def main(argv=None) -> int:
                     f"{_common.median([r['gbps'] for r in runs]):.2f}",
                     f"{cpu / base['tcp']:.2f}",
                     f"{cpu / base['grpc-echo']:.2f}",
+                    f"{cpu / base['jaxps-tcp']:.2f}"
+                    if "jaxps-tcp" in base
+                    else "",
                 ]
             )
     print(_common.format_table(header, rows))

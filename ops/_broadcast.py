@@ -117,12 +117,19 @@ def _exchange(spec: _Spec, leaves):
     else:
         words = sum(_nwords(leaf.carrier) for leaf in layout)
         data = [jnp.zeros(words, jnp.int32)]
+    # The leaves' dtypes and shapes name the words: ranks that pass
+    # different ones fail the call check (MismatchError naming both)
+    # instead of reading root's bits as their own dtype. (No brackets: the
+    # key is a path of the call, see `plan.call_name`.)
+    described = "leaves " + ", ".join(
+        f"{leaf.dtype}{tuple(leaf.shape)}" for leaf in leaves
+    )
     summed = push_pull(
-        jnp.concatenate([jnp.asarray(roots), *data]),
+        {"roots": jnp.asarray(roots), described: jnp.concatenate(data)},
         average=False,
         name=spec.name,
     )
-    roots, words = summed[: spec.size], summed[spec.size :]
+    roots, words = summed["roots"], summed[described]
     if isinstance(roots, jax.core.Tracer):
         # Under jit: checked when the program runs; the words wait for it.
         words = words + _callback.call(

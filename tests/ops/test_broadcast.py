@@ -12,7 +12,15 @@ import traceback
 
 import pytest
 
-CHECKS = ("dtypes", "jit", "empty", "grad", "mismatched_roots", "nnx")
+CHECKS = (
+    "dtypes",
+    "jit",
+    "empty",
+    "grad",
+    "mismatched_roots",
+    "mismatched_layouts",
+    "nnx",
+)
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -51,6 +59,10 @@ def test_grad_is_the_sum_of_cotangents_on_root(job):
 
 def test_mismatched_roots_raise_naming_each_rank(job):
     _assert_ok(job, "mismatched_roots")
+
+
+def test_mismatched_dtypes_and_shapes_raise_naming_both(job):
+    _assert_ok(job, "mismatched_layouts")
 
 
 def test_flax_nnx_state_with_rngs_and_optimizer(job):
@@ -248,6 +260,38 @@ def check_mismatched_roots(jaxps):
         raise AssertionError("jitted broadcast with mismatched roots returned")
     # the job goes on: the next broadcast agrees again
     _assert_bitwise(jaxps.broadcast(tree, name="roots"), {"x": jnp.arange(3)})
+
+
+def check_mismatched_layouts(jaxps):
+    """Same bytes, different dtypes or shapes: never root's bits read as
+    another dtype, but MismatchError naming both ranks' leaves."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rank = jaxps.rank()
+    cases = {
+        "dtype": (np.arange(4, dtype=np.int32), np.ones(4, np.float32)),
+        "shape": (np.ones((2, 2), np.float32), np.ones(4, np.float32)),
+    }
+    for what, (first, second) in cases.items():
+        mine = first if rank == 0 else second
+        eager = functools.partial(jaxps.broadcast, name=f"eager-{what}")
+        jitted = jax.jit(functools.partial(jaxps.broadcast, name=f"jit-{what}"))
+        for run in (eager, jitted):  # (a mismatched call's name is spent)
+            try:
+                with jaxps.errors.typed():
+                    jax.block_until_ready(run({"x": mine}))
+            except jaxps.errors.MismatchError as err:
+                for leaf in (first, second):
+                    described = f"{leaf.dtype}{leaf.shape}"
+                    assert described in str(err), (what, str(err))
+            else:
+                raise AssertionError(f"broadcast of different {what}s returned")
+    # the job goes on
+    _assert_bitwise(jaxps.broadcast({"x": jnp.arange(3)}), {"x": jnp.arange(3)})
 
 
 def check_nnx(jaxps):
