@@ -22,6 +22,39 @@ from jaxps._src.transport import Chunk
 _STOP = object()
 
 
+class _Lent:
+    """The credit of one chunk as its transport sees it: given back at most
+    once, and settled by the sender if the transport raised."""
+
+    __slots__ = ("sender", "released", "blocked")
+
+    def __init__(self, sender: Sender):
+        self.sender = sender
+        self.released = False
+        self.blocked = 0
+
+    def release(self, nbytes: int) -> None:
+        if not self.released:
+            self.released = True
+            self.sender.release(nbytes)
+
+    def may_block(self) -> bool:
+        if self.sender.may_block():
+            self.blocked += 1
+            return True
+        return False
+
+    def unblock(self) -> None:
+        self.blocked -= 1
+        self.sender.unblock()
+
+    def settle(self, nbytes: int) -> None:
+        """Gives back what a transport that raised still holds."""
+        self.release(nbytes)
+        while self.blocked > 0:
+            self.unblock()
+
+
 class Sender:
     """The queue, credit and sender threads of a worker, for all servers.
 
@@ -106,7 +139,12 @@ class Sender:
                 except errors.JaxpsError as err:
                     chunk.handle.fail(err)
                     continue
-            transport.send(chunk, self)
+            lent = _Lent(self)
+            try:
+                transport.send(chunk, lent)
+            except BaseException as err:  # noqa: BLE001 - the thread goes on
+                lent.settle(chunk.nbytes)
+                chunk.handle.fail(_send_failed(chunk, err))
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stops the sender threads (after the chunks queued before),
@@ -118,3 +156,16 @@ class Sender:
         deadline = time.monotonic() + timeout
         for t in self.threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _send_failed(chunk: Chunk, err: BaseException) -> errors.JaxpsError:
+    """The error of a chunk whose transport raised `err` (chained)."""
+    if isinstance(err, errors.JaxpsError):
+        return err
+    h = chunk.header
+    failed = errors.JaxpsError(
+        f"push_pull of {h.name} round {h.round} to server "
+        f"{chunk.transport.address}: sending failed: {err!r}"
+    )
+    failed.__cause__ = err
+    return failed

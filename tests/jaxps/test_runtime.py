@@ -390,3 +390,42 @@ def test_large_outputs_are_reused_only_once_no_one_holds_them(
         for step, out in enumerate(held):
             assert out.min() == out.max() == 2 * step + 1, step
         assert pooled[1:] == [True] * 3
+
+
+@pytest.mark.timeout(60)
+def test_a_transport_that_raises_fails_only_its_chunk(start_servers):
+    """A sender thread fed a non-jaxps exception: the push_pull fails at
+    once naming the cause, the credit comes back, the thread lives on."""
+    (server,) = start_servers(1, 1)
+    rt = Runtime(
+        Config(servers=(server.address,), partition_bytes=SMALL, timeout=20)
+    )
+    try:
+        transport = rt._transports[0]
+        real = transport.send
+        calls = []
+
+        def send(chunk, credit):
+            calls.append(chunk)
+            if len(calls) == 2:
+                raise RuntimeError("Cannot invoke RPC on closed channel")
+            real(chunk, credit)
+
+        transport.send = send
+        x = np.arange(4 * SMALL, dtype=np.float32)  # 4 chunks
+        start = time.monotonic()
+        with pytest.raises(errors.JaxpsError, match="closed channel") as e:
+            rt.push_pull("w", x, average=False)
+        assert time.monotonic() - start < 5
+        assert isinstance(e.value.__cause__, RuntimeError)
+        deadline = time.monotonic() + 5  # the other chunks end too
+        while rt._sender.in_flight:  # and every credit comes back
+            assert time.monotonic() < deadline, rt._sender.in_flight
+            time.sleep(0.01)
+        assert all(t.is_alive() for t in rt._sender.threads)
+        for name in ("a", "b", "c"):  # the job goes on, every thread used
+            np.testing.assert_array_equal(
+                rt.push_pull(name, x, average=False), x
+            )
+    finally:
+        rt.close()
