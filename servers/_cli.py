@@ -98,6 +98,16 @@ def _parser() -> argparse.ArgumentParser:
         "and rounds (default %(default)s)",
     )
     p.add_argument(
+        "--claim-window",
+        type=float,
+        default=d.claim_window,
+        metavar="SECONDS",
+        help="seconds after a worker's hello in which another process "
+        "claiming the same rank ends the job incarnation, naming both hosts; "
+        "later claims start an incarnation of their own, which replaces the "
+        "running one only once all its ranks joined (default %(default)s)",
+    )
+    p.add_argument(
         "--deterministic",
         action="store_true",
         help="sum in rank order for bitwise reproducible sums",
@@ -207,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--round-timeout must be > 0, got {args.round_timeout}")
     if args.max_memory is not None and args.max_memory < 1:
         parser.error(f"--max-memory must be >= 1 MiB, got {args.max_memory}")
+    if args.claim_window < 0:
+        parser.error(f"--claim-window must be >= 0, got {args.claim_window}")
     if args.job_idle_timeout <= 0:
         parser.error(
             f"--job-idle-timeout must be > 0, got {args.job_idle_timeout}"
@@ -249,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         data_port=args.data_port,
         max_memory=(None if args.max_memory is None else args.max_memory << 20),
         job_idle_timeout=args.job_idle_timeout,
+        claim_window=args.claim_window,
         token=args.token,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,

@@ -14,8 +14,22 @@ restarted adopts a session it never saw from such a reconnect (its workers
 bring it back, and their pushes its rounds: failover), unless it is one
 that ended here.
 
-A session is freed when every rank said Bye, or when it was superseded by a
-newer one of its job and then idle for two round timeouts; an idle session
+A new init of a job whose current session is complete forms a session of
+its own, which becomes current (superseding the old one) only once every
+rank has joined it: a stray init, or a second job under the same job id,
+never replaces a running job by itself. A process that claims a rank of
+the current session within ``claim_window`` seconds (`CLAIM_WINDOW`) of its
+holder's Hello *contests* it: the session's sums are held back (pushes are
+still summed) until either the claimant's session completes (a second job
+under the same id: both go on) or the window passes after the claim (two
+processes believe they are rank r, e.g. a stray init between a job's real
+ranks): then both sessions end, and every member's waiting or next call
+fails naming the rank and both hosts, so nothing is summed with an
+intruder. Without a token this guards against accidents, not attackers.
+
+A session is freed when every rank said Bye, when it was superseded by a
+newer one of its job and then idle for two round timeouts, or when it
+never completed its membership and was idle that long; an idle session
 drops its keys and rounds after ``idle_timeout``. Nothing else is kept per
 job, so a server's memory is that of its live sessions.
 """
@@ -39,6 +53,46 @@ log = logging.getLogger("jaxps.server")
 MAX_SESSIONS = 64
 #: Ended sessions remembered, so that a late reconnect cannot revive one.
 MAX_ENDED = 4096
+#: Seconds after a rank's Hello in which another process claiming the same
+#: rank contests the session, and seconds a contest may last before it is
+#: a conflict (default of ``--claim-window``).
+CLAIM_WINDOW = 30.0
+
+
+class Contest:
+    """A claim on a rank of a session by another process's session.
+
+    The claimed session's pulls wait (`wait`) until the claimant completes
+    its membership (`release`: a second job) or the contest ends both
+    (`end` with the reason: a conflict)."""
+
+    def __init__(self, claimant: Session, rank: int, hosts: str, now: float):
+        self.claimant = claimant
+        self.rank = rank
+        self.hosts = hosts
+        self.since = now
+        self.why: str | None = None
+        self.settled = False
+        self._waiters: list[Callable[[], None]] = []
+
+    def on_settled(self, wake: Callable[[], None]) -> None:
+        """Calls `wake` once the contest is released or ended."""
+        if self.settled:
+            wake()
+        else:
+            self._waiters.append(wake)
+
+    def _settle(self, why: str | None) -> None:
+        self.why, self.settled = why, True
+        waiters, self._waiters = self._waiters, []
+        for wake in waiters:
+            wake()
+
+    def release(self) -> None:
+        self._settle(None)
+
+    def end(self, why: str) -> None:
+        self._settle(why)
 
 
 def _trim_heap() -> None:
@@ -52,10 +106,13 @@ def _trim_heap() -> None:
 
 @dataclasses.dataclass
 class Member:
-    """A rank in a session: the init it belongs to and its pull timeout."""
+    """A rank in a session: the init it belongs to, its pull timeout and
+    the host it said Hello from."""
 
     init_id: str
     timeout: float = 0.0  # seconds the worker waits for a sum; 0: unknown
+    host: str = ""
+    joined: float = 0.0  # when it said its first Hello (monotonic)
 
 
 class Session:
@@ -80,8 +137,29 @@ class Session:
         self.left: set[int] = set()
         self.joins = _join.JoinBarrier(store.num_workers)
         self.last_seen = now
-        #: when a newer session of the job started (None: it is current)
+        #: when a newer session of the job replaced it (None: it did not)
         self.superseded: float | None = None
+        #: when every rank had joined (None: its membership is forming)
+        self.formed: float | None = None
+        #: a claim on one of its ranks by another process, while unsettled
+        self.contest: Contest | None = None
+        #: the session whose rank this one claims (while forming)
+        self.claims: Session | None = None
+        #: why it ended (None: live), and who waits to hear it
+        self.ended: str | None = None
+        self._on_end: set[Callable[[], None]] = set()
+
+    def on_end(self, wake: Callable[[], None]) -> Callable[[], None]:
+        """Calls `wake` when the session ends; returns a callable that
+        cancels this."""
+        self._on_end.add(wake)
+        return lambda: self._on_end.discard(wake)
+
+    def end(self, why: str) -> None:
+        self.ended = why
+        waiters, self._on_end = self._on_end, set()
+        for wake in waiters:
+            wake()
 
     @property
     def num_workers(self) -> int:
@@ -109,6 +187,8 @@ class Jobs:
         freed once idle twice this long).
       idle_timeout: a session idle this long drops its keys and rounds.
       max_sessions: most sessions kept at once.
+      claim_window: seconds after a rank's Hello in which another process
+        claiming it ends the session (None: `CLAIM_WINDOW`).
     """
 
     def __init__(
@@ -120,16 +200,22 @@ class Jobs:
         round_timeout: float = 60.0,
         idle_timeout: float = 600.0,
         max_sessions: int = MAX_SESSIONS,
+        claim_window: float | None = None,
     ):
         self.num_workers = num_workers
+        self.claim_window = claim_window
         self.job_id = job_id
         self._make_store = make_store
         self.round_timeout = round_timeout
         self.idle_timeout = max(idle_timeout, round_timeout)
         self.max_sessions = max_sessions
         self._sessions: dict[str, Session] = {}
-        self._current: dict[str, Session] = {}  # job id -> forming session
-        self._ended: collections.OrderedDict[str, None] = (
+        #: job id -> the session new ranks join, or the running one
+        self._current: dict[str, Session] = {}
+        #: job id -> newer sessions forming beside a complete current one
+        self._forming: dict[str, list[Session]] = {}
+        #: ended session id -> why (never adopted again)
+        self._ended: collections.OrderedDict[str, str] = (
             collections.OrderedDict()
         )
         # counters of freed sessions, so the metrics never go back
@@ -154,10 +240,13 @@ class Jobs:
         s = self._sessions.get(sid)
         if s is None or s.job_id != job_id:
             self.check_job(job_id)
+            why = self._ended.get(sid) if s is None else None
             raise _wire.Rejected(
                 "FAILED_PRECONDITION",
-                f"job incarnation {sid!r} of job {job_id!r} is unknown to "
-                "this server: it ended (every rank said Bye, or a newer "
+                f"job incarnation {sid!r} of job {job_id!r} ended: {why}"
+                if why
+                else f"job incarnation {sid!r} of job {job_id!r} is unknown "
+                "to this server: it ended (every rank said Bye, or a newer "
                 "init of the job replaced it) or the server restarted; say "
                 "Hello first.",
             )
@@ -183,11 +272,13 @@ class Jobs:
         *,
         num_workers: int | None = None,
         generation: int = 0,
+        host: str = "",
     ) -> Session:
         """The session of a checked Hello (see the module docstring).
 
         An elastic Hello (`generation` > 0) joins only a session of its
-        generation, which has `num_workers` ranks of its own.
+        generation, which has `num_workers` ranks of its own. `host` names
+        the worker's host in conflict messages.
         """
         self.check_job(job_id)
         now = time.monotonic() if now is None else now
@@ -202,22 +293,68 @@ class Jobs:
                 self.get(job_id, sid, rank, now)  # raises: unknown
             self._check_size(s, rank, n, generation)
             s.last_seen = now
-            return self._join(s, rank, init_id, timeout)
+            return self._join(s, rank, init_id, timeout, host, now)
         s = self._current.get(job_id)
-        if s is not None and s.generation == generation:
-            member = s.members.get(rank)
-            if member is None or member.init_id == init_id:
-                self._check_size(s, rank, n, generation)
-                s.last_seen = now
-                return self._join(s, rank, init_id, timeout)
         if s is not None and generation and s.generation > generation:
             raise _wire.Rejected(
                 "FAILED_PRECONDITION",
                 f"rank {rank} says Hello for generation {generation} of job "
                 f"{job_id!r}, but {s.label()} is newer: rendezvous again.",
             )
-        s = self._start(job_id, now, n, generation)
-        return self._join(s, rank, init_id, timeout)
+        forming = self._forming.get(job_id, [])
+        for f in ([s] if s is not None else []) + forming:
+            if f.generation != generation:
+                continue
+            member = f.members.get(rank)
+            if (
+                member is None
+                and f.formed is None
+                or (member is not None and member.init_id == init_id)
+            ):
+                self._check_size(f, rank, n, generation)
+                f.last_seen = now
+                return self._join(f, rank, init_id, timeout, host, now)
+        # A new init of the job: an incarnation of its own, which replaces
+        # the current one only once all its ranks have joined.
+        f = self._start(job_id, now, n, generation)
+        self._join(f, rank, init_id, timeout, host, now)
+        member = None if s is None else s.members.get(rank)
+        if (
+            member is not None
+            and s.contest is None
+            and f.formed is None
+            and rank not in s.left  # (a rank that said Bye may init again)
+            and now - member.joined < self._window()
+        ):
+            hosts = (
+                f"one from {member.host or 'an unknown host'} and a later one "
+                f"from {host or 'an unknown host'}"
+            )
+            s.contest = Contest(f, rank, hosts, now)
+            f.claims = s
+            log.info("%s: rank %d claimed again (%s)", s.label(), rank, hosts)
+        return f
+
+    def _window(self) -> float:
+        if self.claim_window is None:
+            return CLAIM_WINDOW  # (read late: tests change it)
+        return self.claim_window
+
+    def _conflict(self, s: Session) -> None:
+        """A contest on `s` outlived the window: ends `s` and its claimant,
+        naming the rank and both hosts to every member."""
+        contest = s.contest
+        why = (
+            f"{_wire.CLAIM_CONFLICT} {contest.rank} of job {s.job_id!r}: "
+            f"{contest.hosts} (incarnations {s.id} and "
+            f"{contest.claimant.id}). Give each process its own "
+            "JAXPS_WORKER_RANK, and each job its own JAXPS_JOB_ID (jaxps-"
+            "launch does); both incarnations ended, nothing was summed "
+            "across them."
+        )
+        log.warning("%s", why)
+        self.free(s, why)  # (first: its contest ends with `why`)
+        self.free(contest.claimant, why)
 
     @staticmethod
     def _check_size(s: Session, rank: int, n: int, generation: int) -> None:
@@ -229,7 +366,9 @@ class Jobs:
                 f"{s.generation}.",
             )
 
-    def _join(self, s: Session, rank, init_id, timeout) -> Session:
+    def _join(
+        self, s: Session, rank, init_id, timeout, host="", now=None
+    ) -> Session:
         member = s.members.get(rank)
         if member is not None and member.init_id != init_id:
             raise _wire.Rejected(
@@ -237,9 +376,32 @@ class Jobs:
                 f"rank {rank} of {s.label()} belongs to another worker "
                 "process: two workers claim the same rank.",
             )
-        s.members[rank] = Member(init_id, float(timeout))
+        now = time.monotonic() if now is None else now
+        joined = now if member is None else member.joined
+        s.members[rank] = Member(init_id, float(timeout), host, joined)
         s.left.discard(rank)
+        if s.formed is None and len(s.members) >= s.num_workers:
+            self._formed(s, now)
         return s
+
+    def _formed(self, s: Session, now: float) -> None:
+        """Every rank joined `s`: it becomes its job's current session (and
+        a session it claimed a rank of goes on: a second job)."""
+        s.formed = now
+        claimed, s.claims = s.claims, None
+        if claimed is not None and claimed.contest is not None:
+            contest, claimed.contest = claimed.contest, None
+            contest.release()
+        forming = self._forming.get(s.job_id, [])
+        if s in forming:
+            forming.remove(s)
+            if not forming:
+                del self._forming[s.job_id]
+        old = self._current.get(s.job_id)
+        if old is not None and old is not s:
+            old.superseded = now
+            log.info("%s replaced by %s", old.label(), s.id)
+        self._current[s.job_id] = s
 
     def _start(
         self,
@@ -249,6 +411,8 @@ class Jobs:
         generation: int = 0,
         sid: str | None = None,
     ) -> Session:
+        """A new session; the job's current one if it has none or the
+        current one is still forming (else it forms beside it)."""
         if len(self._sessions) >= self.max_sessions:
             self.expire(now)
         if len(self._sessions) >= self.max_sessions:
@@ -258,9 +422,6 @@ class Jobs:
                 "(the most it keeps) and none has been idle for "
                 f"{self.round_timeout:g} s; wait for a job to end.",
             )
-        old = self._current.get(job_id)
-        if old is not None:
-            old.superseded = now
         s = Session(
             sid or secrets.token_hex(8),
             job_id,
@@ -269,7 +430,13 @@ class Jobs:
             generation,
         )
         self._sessions[s.id] = s
-        self._current[job_id] = s
+        old = self._current.get(job_id)
+        if old is None or old.formed is None or sid:
+            if old is not None and old is not s:
+                old.superseded = now
+            self._current[job_id] = s
+        else:
+            self._forming.setdefault(job_id, []).append(s)
         log.info("%s %s", s.label(), "adopted" if sid else "started")
         return s
 
@@ -283,11 +450,24 @@ class Jobs:
         """Drops a session's keys, rounds and segments."""
         if self._sessions.pop(s.id, None) is None:
             return
-        self._ended[s.id] = None  # never adopted again
+        s.end(why)  # its waiting pulls hear why
+        if s.contest is not None:
+            contest, s.contest = s.contest, None
+            contest.end(why)
+        claimed, s.claims = s.claims, None
+        if claimed is not None and claimed.contest is not None:
+            contest, claimed.contest = claimed.contest, None
+            contest.release()  # the claimant gave up: no conflict
+        self._ended[s.id] = why  # never adopted again
         while len(self._ended) > MAX_ENDED:
             self._ended.popitem(last=False)
         if self._current.get(s.job_id) is s:
             del self._current[s.job_id]
+        forming = self._forming.get(s.job_id, [])
+        if s in forming:
+            forming.remove(s)
+            if not forming:
+                del self._forming[s.job_id]
         self._retire(s.store)
         s.segments.close()
         log.info("%s freed: %s", s.label(), why)
@@ -306,10 +486,17 @@ class Jobs:
         now = time.monotonic() if now is None else now
         failed = 0
         for s in list(self._sessions.values()):
+            contest = s.contest
+            if contest is not None and now - contest.since >= self._window():
+                self._conflict(s)
+        for s in list(self._sessions.values()):
             idle = now - s.last_seen
             # twice the round timeout: no pull of it can still be waiting
             if s.superseded is not None and idle >= 2 * self.round_timeout:
                 self.free(s, "a newer init of the job replaced it")
+                continue
+            if s.formed is None and idle >= 2 * self.round_timeout:
+                self.free(s, "not every rank joined it")
                 continue
             failed += s.store.expire(now)
             if idle >= self.idle_timeout and s.store.num_keys:

@@ -47,6 +47,9 @@ class ServerOptions:
         firewall or a Kubernetes Service.
       max_memory: most bytes of accumulators and sums held at once (None:
         half the host's memory); past it a push gets RESOURCE_EXHAUSTED.
+      claim_window: seconds after a worker's Hello in which another process
+        claiming its rank ends the job incarnation, named to both (later
+        claims form an incarnation of their own, see `_jobs`).
       job_idle_timeout: seconds a job incarnation may be idle before its
         keys and rounds are dropped.
     """
@@ -71,6 +74,7 @@ class ServerOptions:
     data_port: int = 0
     max_memory: int | None = None
     job_idle_timeout: float = 600.0
+    claim_window: float = 30.0
 
 
 class Server:
@@ -162,6 +166,7 @@ def create_server(opts: ServerOptions) -> Server:
             default_max_memory() if opts.max_memory is None else opts.max_memory
         ),
         idle_timeout=opts.job_idle_timeout,
+        claim_window=opts.claim_window,
     )
     servicer = _service.SummationServicer(summation)
     options = _wire.channel_options(opts.max_message_bytes) + [

@@ -123,6 +123,7 @@ class SummationServicer:
                 init_id=request.init_id,
                 timeout=request.timeout,
                 generation=request.generation,
+                host=_host_of(context.peer()),
             )
         except _wire.Rejected as err:
             await self._abort(context, err)
@@ -253,3 +254,11 @@ class SummationServicer:
             members=members,
             waiting=waiting,
         )
+
+
+def _host_of(peer: str) -> str:
+    """The address of a gRPC peer (``ipv4:10.0.0.2:5123`` -> ``10.0.0.2``)."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rpartition(":")[0]
+    return peer

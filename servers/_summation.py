@@ -56,6 +56,7 @@ class Summation:
       max_memory: most bytes of accumulators and sums held at once, over
         all sessions (None: no cap).
       idle_timeout: a session idle this long drops its keys and rounds.
+      claim_window: see `_jobs.Jobs` (None: its default).
     """
 
     def __init__(
@@ -69,6 +70,7 @@ class Summation:
         async_mode: bool = False,
         max_memory: int | None = None,
         idle_timeout: float = 600.0,
+        claim_window: float | None = None,
     ):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}.")
@@ -92,6 +94,7 @@ class Summation:
             job_id=job_id,
             round_timeout=round_timeout,
             idle_timeout=idle_timeout,
+            claim_window=claim_window,
         )
         self.engines = _engine.Engines(engine_threads)
         # the PullReplies of a sum put into the puller's shared-memory
@@ -156,6 +159,7 @@ class Summation:
         init_id: str = "",
         timeout: float = 0.0,
         generation: int = 0,
+        host: str = "",
     ) -> _jobs.Session:
         """Checks a worker's hello (header, rank and its `num_workers`);
         returns the session it joins (``h.session``, if not empty, is the
@@ -197,6 +201,7 @@ class Summation:
             timeout,
             num_workers=num_workers,
             generation=generation,
+            host=host,
         )
 
     async def rendezvous(self, request, *, deadline: float):
@@ -369,10 +374,12 @@ class Summation:
             timeout = s.members[h.rank].timeout
             if timeout > 0:
                 deadline = min(deadline, time.monotonic() + timeout)
-            await self._wait(rnd, deadline)
+            await self._wait(s, rnd, deadline)
             result = store.collect(
                 h.key, rnd, h.rank, raw=raw, into=into, now=time.monotonic()
             )
+        if s.contest is not None:
+            await self._settled(s, h, deadline)
         contributors = 0 if rnd is None else rnd.summed
         if into is None:
             return result, contributors
@@ -416,14 +423,41 @@ class Summation:
         return joins.last
 
     @staticmethod
-    async def _wait(rnd, deadline: float) -> None:
+    async def _wait(s: _jobs.Session, rnd, deadline: float) -> None:
+        """Waits for `rnd` to complete, fail, or its session to end."""
         event = asyncio.Event()
         rnd.waiters.append(event.set)
+        cancel = s.on_end(event.set)
         timeout = min(rnd.deadline, deadline) - time.monotonic()
         try:
             await asyncio.wait_for(event.wait(), max(0.0, timeout))
         except asyncio.TimeoutError:
             pass  # `collect` tells whether the round failed
+        finally:
+            cancel()
+        if s.ended is not None:
+            raise _wire.Rejected("FAILED_PRECONDITION", s.ended)
+
+    @staticmethod
+    async def _settled(s: _jobs.Session, h, deadline: float) -> None:
+        """Holds back a sum of `s` while another process claims one of its
+        ranks (see `_jobs`); raises if the claim ended the session."""
+        contest = s.contest
+        event = asyncio.Event()
+        contest.on_settled(event.set)
+        try:
+            await asyncio.wait_for(
+                event.wait(), max(0.0, deadline - time.monotonic())
+            )
+        except asyncio.TimeoutError:
+            raise _wire.Rejected(
+                "DEADLINE_EXCEEDED",
+                f"the sum of {h.name!r} round {h.round} is held back: rank "
+                f"{contest.rank} of {s.label()} is claimed by two processes "
+                f"({contest.hosts}) and the claim was not settled in time.",
+            ) from None
+        if contest.why is not None:
+            raise _wire.Rejected("FAILED_PRECONDITION", contest.why)
 
     # -- life --------------------------------------------------------------
 

@@ -236,6 +236,8 @@ STATUS_CODES = (
 #: Starts the message of a call check that found ranks pushing different
 #: trees under one name (a worker raises `MismatchError` for it).
 MISMATCH_PREFIX = "push_pull mismatch: "
+#: In a Hello's refusal: another process claimed the rank (`_jobs`).
+CLAIM_CONFLICT = "two processes claim rank"
 
 #: Status codes that mean "the server refused this request" (a worker
 #: raises RequestRejectedError for them, on gRPC and the data channel).

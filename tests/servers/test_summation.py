@@ -7,7 +7,7 @@ import types
 import numpy as np
 import pytest
 
-from jaxps.servers import _codec, _summation, _wire
+from jaxps.servers import _codec, _jobs, _summation, _wire
 from jaxps.servers import jaxps_pb2 as pb
 
 
@@ -158,7 +158,10 @@ def test_a_rejected_hello_locks_nothing():
         core.close()
 
 
-def test_jobs_and_inits_are_separate_namespaces():
+def test_jobs_and_inits_are_separate_namespaces(monkeypatch):
+    # a new init long after the first formed (not a conflicting claim)
+    monkeypatch.setattr(_jobs, "CLAIM_WINDOW", 0.0)
+
     async def main():
         core = _summation.Summation(2)
         try:
@@ -209,7 +212,108 @@ def test_same_init_joins_and_reconnects_keep_the_session():
         core.close()
 
 
-def test_sessions_are_freed_by_bye_and_by_idling():
+def test_a_stray_init_never_replaces_a_running_job(monkeypatch):
+    """An init of a rank of a complete, running session forms an
+    incarnation of its own; it replaces the running one only once every
+    rank joined it, and is freed if that never happens."""
+    monkeypatch.setattr(_jobs, "CLAIM_WINDOW", 0.0)
+    core = _summation.Summation(2, round_timeout=1.0)
+    try:
+        real = join(core)
+        stray = hello(core, 1, init_id="stray")
+        assert stray != real
+        # the real job is still current: its ranks' other channels join it
+        assert hello(core, 0) == real and hello(core, 1) == real
+        now = time.monotonic()
+        core.jobs.expire(now + 2.5)  # the stray never completed: freed
+        assert {s.id for s in core.jobs} == {real}
+        core.check_header(header(0, np.ones(1), session=real))
+        # a full new membership (a second job under the same id) replaces
+        second = {hello(core, r, init_id=f"second-{r}") for r in range(2)}
+        assert len(second) == 1 and real not in second
+        core.check_header(header(1, np.ones(1), session=real))  # still served
+        core.jobs.expire(time.monotonic() + 2.5)  # superseded and idle
+        assert {s.id for s in core.jobs} == second
+    finally:
+        core.close()
+
+
+def test_two_processes_claiming_a_rank_are_named_to_both(monkeypatch):
+    """A stray init takes rank 1 before the real one, which then claims it
+    too: the session's sums are held back, and once the claim window
+    passes without the claimant's session completing, both sessions end
+    naming the rank and both hosts; nothing was summed with the intruder."""
+    monkeypatch.setattr(_jobs, "CLAIM_WINDOW", 0.5)
+
+    async def main():
+        core = _summation.Summation(2)
+        try:
+            x = np.ones(2, np.float32)
+            sid = hello(core, 0, host="10.0.0.1")
+            assert hello(core, 1, init_id="stray", host="10.0.0.9") == sid
+            real = hello(core, 1, init_id="real-1", host="10.0.0.2")
+            assert real != sid
+            for rank in range(2):  # rank 0 and the stray push
+                h = header(rank, x, session=sid)
+                await core.push(h, x.tobytes(), _wire.fingerprint(x))
+            far = time.monotonic() + 10
+            pull = core.pull(header(0, x, session=sid), deadline=far, raw=True)
+            waiting = core.pull(header(1, x, session=real), deadline=far)
+            await core.push(
+                header(1, x, session=real), x.tobytes(), _wire.fingerprint(x)
+            )
+            tasks = [asyncio.ensure_future(p) for p in (pull, waiting)]
+            await asyncio.sleep(0.6)
+            core.jobs.expire()  # the window passed: a conflict
+            for task in tasks:  # both waiting pulls hear it, at once
+                with pytest.raises(_wire.Rejected, match="claim rank 1") as e:
+                    await asyncio.wait_for(task, 2)
+                for host in ("10.0.0.9", "10.0.0.2"):
+                    assert host in e.value.message
+            for session in (sid, real):  # and every later call
+                with pytest.raises(_wire.Rejected, match="claim rank 1"):
+                    core.check_header(header(0, x, session=session))
+        finally:
+            core.close()
+
+    run(main())
+
+
+def test_a_second_job_under_the_same_id_settles_the_claim():
+    """Two jobs with the default job id started together: the second's
+    ranks claim the first's, its session completes, and both go on."""
+
+    async def main():
+        core = _summation.Summation(2)
+        try:
+            x = np.ones(2, np.float32)
+            first = join(core, init_id="a")
+            for rank in range(2):
+                h = header(rank, x, session=first)
+                await core.push(h, x.tobytes(), _wire.fingerprint(x))
+            held = asyncio.ensure_future(
+                core.pull(
+                    header(0, x, session=first),
+                    deadline=time.monotonic() + 10,
+                    raw=True,
+                )
+            )
+            second = hello(core, 0, init_id="b0")
+            await asyncio.sleep(0.1)
+            assert not held.done()  # held while rank 0 is claimed twice
+            assert hello(core, 1, init_id="b1") == second != first
+            np.testing.assert_array_equal(
+                await asyncio.wait_for(held, 2), 2 * x
+            )
+        finally:
+            core.close()
+
+    run(main())
+
+
+def test_sessions_are_freed_by_bye_and_by_idling(monkeypatch):
+    monkeypatch.setattr(_jobs, "CLAIM_WINDOW", 0.0)  # inits far apart
+
     async def main():
         core = _summation.Summation(2, round_timeout=1.0, idle_timeout=5.0)
         try:
@@ -222,7 +326,9 @@ def test_sessions_are_freed_by_bye_and_by_idling():
             assert len(core.jobs) == 1  # rank 1 is still in it
             core.bye(header(1, x))
             assert len(core.jobs) == 0 and core.budget.held == 0
-            with pytest.raises(_wire.Rejected, match="is unknown"):
+            with pytest.raises(
+                _wire.Rejected, match="ended: every rank said Bye"
+            ):
                 core.check_header(header(0, x, session=sid))
             # superseded by a newer init, then idle a round timeout: freed
             old = join(core, init_id="a")
