@@ -138,3 +138,101 @@ def test_killed_and_restarted_server_loses_no_step(
                 w.wait()
         for child in children:
             child.stop(10)
+
+
+@pytest.mark.timeout(120)
+def test_a_healthy_server_keeps_its_pace_while_another_recovers(
+    start_servers,
+):
+    """Server A is killed and restarted only later, while both workers push
+    a call of 16 tensors that live on A. A call that lives on server B
+    meanwhile takes about its normal time: no sender thread waits for A's
+    recovery, and A's waiting chunks hold no credit."""
+    import concurrent.futures
+    import threading
+
+    import numpy as np
+
+    from jaxps._src import plan
+    from jaxps._src.config import Config
+    from jaxps._src.runtime import Runtime
+
+    killed, healthy = start_servers(2, 2)
+    addresses = (killed.address, healthy.address)
+    runtimes = [
+        Runtime(
+            Config(
+                servers=addresses,
+                num_workers=2,
+                worker_rank=r,
+                timeout=20,
+                transport="grpc",
+            )
+        )
+        for r in range(2)
+    ]
+    rt = runtimes[0]
+    x = np.ones(256 * 1024, np.float32)  # 1 MiB: one piece
+
+    def server_of(name):
+        (piece,) = rt._plan([name], [x], (0,))
+        check = plan.call_check([name], [x]).server(2)
+        return piece.server if piece.server == check else None
+
+    names = [f"t{i}" for i in range(400)]
+    on_a = [n for n in names if server_of(n) == 0][:16]
+    on_b = next(n for n in names if server_of(n) == 1)
+    assert len(on_a) == 16
+
+    def call(rank, names):
+        start = time.monotonic()
+        outs = (
+            runtimes[rank]
+            .push_pull_async(names, [x] * len(names), average=False)
+            .wait()
+        )
+        for out in outs:
+            np.testing.assert_array_equal(out, 2 * x)
+        return time.monotonic() - start
+
+    def both(names):
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            return max(pool.map(call, range(2), [names] * 2))
+
+    try:
+        both(on_a)
+        normal = sorted(both([on_b]) for _ in range(10))[5]
+        port = int(killed.address.rpartition(":")[2])
+        killed.stop(signal.SIGKILL)
+        restarted = []
+        timer = threading.Timer(
+            1.5, lambda: restarted.append(_start_server(port)[0])
+        )
+        timer.start()
+        try:
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                stuck = [pool.submit(call, r, on_a[:8]) for r in range(2)]
+                during = []  # B's calls from the kill to A's recovery
+                while not all(f.done() for f in stuck) or len(during) < 10:
+                    during.append(both([on_b]))
+                    if len(stuck) == 2 and len(during) == 10:
+                        # more of A's chunks while it recovers
+                        stuck += [
+                            pool.submit(call, r, on_a[8:]) for r in range(2)
+                        ]
+                for f in stuck:  # A's call ends exact once it is back
+                    f.result(timeout=30)
+        finally:
+            timer.join()
+            for child in restarted:
+                child.stop(10)
+        median = sorted(during)[len(during) // 2]
+        print(
+            f"on B: normal {normal * 1e3:.1f} ms, during A's recovery "
+            f"median {median * 1e3:.1f} ms, max {max(during) * 1e3:.1f} ms"
+        )
+        assert median <= 2 * normal + 0.005, (normal, during)
+        assert max(during) < 0.5, (normal, during)
+    finally:
+        for rt in runtimes:
+            rt.close()

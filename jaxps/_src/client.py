@@ -156,6 +156,9 @@ class ServerClient:
         self.async_mode = False
         self.data_port = 0
         self.data_nonce = b""
+        #: seconds a call retries UNAVAILABLE (see RETRY_WINDOW); failover
+        #: shortens it, and waits for a restarted server itself
+        self.retry_window = RETRY_WINDOW
 
     def close(self) -> None:
         """Says Bye (the server frees the job's state once every rank has)
@@ -415,7 +418,7 @@ class ServerClient:
                 )
             except grpc.RpcError as err:
                 if attempt == 1:
-                    window = min(RETRY_WINDOW, self.timeout / 2)
+                    window = min(self.retry_window, self.timeout / 2)
                     give_up = min(deadline, time.monotonic() + window)
                 pause = min(MAX_BACKOFF, 0.02 * 2**attempt)
                 pause *= random.uniform(0.5, 1.0)

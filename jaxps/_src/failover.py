@@ -20,6 +20,12 @@ dropped, since no rank waits for that round.
 
 The cost: each key's last payload to the server is kept (one copy of the
 gradients per worker, refreshed in place every round).
+
+One thread per recovering server does the work: it reconnects and
+re-pushes outside the transport's lock, then sends again every chunk that
+failed or arrived meanwhile. Those give their credit back while they wait,
+and sender threads never wait for a recovery, so the other servers' chunks
+go on at their normal pace.
 """
 
 from __future__ import annotations
@@ -39,6 +45,11 @@ log = logging.getLogger("jaxps")
 
 #: Errors after which the server may be back with nothing of this job.
 RECOVERABLE = (errors.ServerRestartedError, errors.ServerUnavailableError)
+#: Seconds a push or pull retries UNAVAILABLE before the chunk fails over:
+#: the wait for a restarting server is then the recovery's, off the sender
+#: threads and without the chunk's credit (`client.RETRY_WINDOW` without
+#: failover).
+RETRY_WINDOW = 0.25
 
 
 class _FreeCredit:
@@ -94,12 +105,17 @@ class RecoveringTransport(Transport):
         window: float,
     ):
         super().__init__(first.client, first.timeline)
+        first.client.retry_window = RETRY_WINDOW
         self._inner = first
         self._reconnect = reconnect
         self._window = window
         self._lock = threading.Lock()
         self._generation = 0
         self._closed = False
+        # chunks to send again once recovered, and the recovery's state
+        self._waiting: list[Chunk] = []
+        self._failure: tuple[BaseException, float] | None = None
+        self._draining = False
         self._replaced: list[Transport] = []  # closed with this one
         # key -> (header, payload, whether it is the chunk's own source) of
         # its last completed round here
@@ -126,7 +142,13 @@ class RecoveringTransport(Transport):
 
     def send(self, chunk: Chunk, credit: Credit) -> None:
         with self._lock:
+            recovering = self._failure is not None
+            if recovering:
+                self._waiting.append(chunk)
             inner, generation = self._inner, self._generation
+        if recovering:  # it waits without holding the others' credit
+            credit.release(chunk.nbytes)
+            return
         self._send(inner, chunk, credit, generation)
 
     def _send(self, inner, chunk: Chunk, credit, generation) -> None:
@@ -166,31 +188,54 @@ class RecoveringTransport(Transport):
     def _failed(self, chunk: Chunk, err: BaseException, generation) -> None:
         # A chunk of a replaced transport fails however its closed channel
         # makes it fail: it is sent again all the same.
-        stale = generation != self._generation
-        if self._closed or not (stale or isinstance(err, RECOVERABLE)):
+        with self._lock:
+            stale = generation != self._generation
+            if self._closed or not (stale or isinstance(err, RECOVERABLE)):
+                start = None
+            else:
+                self._waiting.append(chunk)
+                if not stale and self._failure is None:
+                    self._failure = (err, time.monotonic())
+                start, self._draining = not self._draining, True
+        if start is None:
             chunk.handle.fail(err)
-            return
-        # Not on the transport's own thread (it may be its reader).
-        threading.Thread(
-            target=self._recover_and_resend,
-            args=(chunk, err, generation, time.monotonic()),
-            name="jaxps-failover",
-            daemon=True,
-        ).start()
+        elif start:  # not on the transport's own thread (its reader)
+            threading.Thread(
+                target=self._drain, name="jaxps-failover", daemon=True
+            ).start()
 
-    def _recover_and_resend(self, chunk, err, generation, failed_at) -> None:
-        try:
+    def _drain(self) -> None:
+        """Recovers if a failure asks for it, then sends the waiting chunks
+        again; until none is left."""
+        while True:
             with self._lock:
-                if self._generation == generation:
-                    self._recover(err, failed_at)
+                failure = self._failure
+            if failure is not None:
+                try:
+                    self._recover(*failure)
+                except BaseException as final:  # noqa: BLE001 - to the waiters
+                    with self._lock:
+                        waiting, self._waiting = self._waiting, []
+                        self._failure, self._draining = None, False
+                    for chunk in waiting:
+                        chunk.handle.fail(final)
+                    return
+            with self._lock:
+                if self._failure is not None:
+                    continue  # it failed again meanwhile: recover again
+                waiting, self._waiting = self._waiting, []
+                if not waiting:
+                    self._draining = False
+                    return
                 inner, generation = self._inner, self._generation
-        except BaseException as final:  # noqa: BLE001 - reported to the waiter
-            chunk.handle.fail(final)
-            return
-        self._send(inner, chunk, _FREE, generation)
+            for chunk in waiting:
+                if chunk.handle.failed:
+                    continue
+                self._send(inner, chunk, _FREE, generation)
 
     def _recover(self, err: BaseException, failed_at: float) -> None:
-        """Connects again and re-pushes the kept rounds, under the lock.
+        """Connects again and re-pushes the kept rounds, then puts the new
+        transport in place. Holds the lock only to swap.
 
         The old transport is closed only with this one: sender threads may
         still be sending on it, and its chunks fail over to the new one."""
@@ -211,13 +256,12 @@ class RecoveringTransport(Transport):
                     f"last attempt: {last}"
                 ) from err
             time.sleep(0.2)
-        self._replaced.append(self._inner)
-        self._inner = inner
-        self._generation += 1
-        self.client = inner.client
+        inner.client.retry_window = RETRY_WINDOW
+        with self._lock:
+            kept = list(self._kept.values())
         repushed = 0
         push_deadline = time.monotonic() + inner.timeout
-        for header, payload, _ in self._kept.values():
+        for header, payload, _ in kept:
             h = pb.Header()
             h.CopyFrom(header)
             try:
@@ -229,6 +273,12 @@ class RecoveringTransport(Transport):
                 # e.g. the new server started the key at a later round: no
                 # rank waits for this one
                 log.debug("jaxps: re-push of %s refused: %s", h.name, refused)
+        with self._lock:
+            self._replaced.append(self._inner)
+            self._inner = inner
+            self._generation += 1
+            self.client = inner.client
+            self._failure = None
         took = time.monotonic() - failed_at
         self.recoveries.append(took)
         log.warning(
@@ -243,9 +293,12 @@ class RecoveringTransport(Transport):
     def close(self) -> None:
         self._closed = True
         with self._lock:
-            for transport in (*self._replaced, self._inner):
-                try:
-                    transport.close()
-                except Exception:  # noqa: BLE001 - a dead connection
-                    if transport is self._inner:
-                        raise
+            transports = (*self._replaced, self._inner)
+        # outside the lock: closing fails their chunks, which lands in
+        # `_failed` (and so the lock) on this thread
+        for transport in transports:
+            try:
+                transport.close()
+            except Exception:  # noqa: BLE001 - a dead connection
+                if transport is transports[-1]:
+                    raise
