@@ -69,7 +69,8 @@ _FREE = _FreeCredit()
 
 
 class _Attempt:
-    """Stands in for a chunk's handle during one attempt to send it."""
+    """The `ChunkHandle` of one attempt to send a chunk: keeps its payload
+    once done, fails over if it failed."""
 
     __slots__ = ("owner", "chunk", "generation")
 

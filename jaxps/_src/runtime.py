@@ -183,7 +183,7 @@ MODES = ("sync", "async")
 
 
 class _CheckOf:
-    """Stands in for a handle as its call check's chunk's handle."""
+    """The `ChunkHandle` of a call check's chunk: tells its handle."""
 
     __slots__ = ("handle",)
 

@@ -24,7 +24,6 @@ from jaxps.servers import _wire
 
 if TYPE_CHECKING:
     from jaxps._src.client import ServerClient
-    from jaxps._src.runtime import Handle
     from jaxps.servers import jaxps_pb2 as pb
 
 
@@ -39,12 +38,27 @@ def pull_deadline(timeout: float) -> float:
     return 1.25 * timeout + 2.0
 
 
+class ChunkHandle(Protocol):
+    """Who hears how a chunk ended: a push_pull's `runtime.Handle`, or what
+    stands in for it (a call check's, a failover attempt's)."""
+
+    def chunk_done(self) -> None:
+        """The chunk's sum is in its dest."""
+
+    def fail(self, err: BaseException) -> None:
+        """The chunk failed with `err`."""
+
+    @property
+    def failed(self) -> bool:
+        """Whether the chunk need not be sent any more."""
+
+
 class Chunk:
     """One piece of a push_pull on its way to a server and back.
 
     Attributes:
       queued: when it was queued (a `timeline.now()` time).
-      handle: the push_pull's `runtime.Handle`, told once how it ended.
+      handle: told once how it ended (a `ChunkHandle`).
       source: the payload, a flat array (read-only to the transport).
       dest: where the sum goes, a flat array of the same dtype and size.
       header: the wire header (key, round, dtype, length, name, ...).
@@ -72,7 +86,7 @@ class Chunk:
 
     def __init__(
         self,
-        handle: Handle,
+        handle: ChunkHandle,
         source: np.ndarray,
         dest: np.ndarray,
         header: pb.Header,
