@@ -191,6 +191,10 @@ class AsyncStore:
     def reset_rounds(self) -> None:
         """Nothing to do: each rank's rounds only tell its retries apart."""
 
+    def abort(self, **chunk) -> None:
+        """Nothing to fail: no round waits for another rank here."""
+        del chunk
+
     def close(self) -> None:
         """Frees every key; its memory leaves the budget."""
         self.budget.release(self.held)

@@ -411,8 +411,9 @@ class Jobs:
         generation: int = 0,
         sid: str | None = None,
     ) -> Session:
-        """A new session; the job's current one if it has none or the
-        current one is still forming (else it forms beside it)."""
+        """A new session; the job's current one if it has none, the current
+        one is still forming or of an older elastic generation (else it
+        forms beside it)."""
         if len(self._sessions) >= self.max_sessions:
             self.expire(now)
         if len(self._sessions) >= self.max_sessions:
@@ -431,7 +432,14 @@ class Jobs:
         )
         self._sessions[s.id] = s
         old = self._current.get(job_id)
-        if old is None or old.formed is None or sid:
+        # (a later elastic generation replaces at once: the rendezvous
+        # already agreed on its members)
+        if (
+            old is None
+            or old.formed is None
+            or sid
+            or generation > old.generation
+        ):
             if old is not None and old is not s:
                 old.superseded = now
             self._current[job_id] = s

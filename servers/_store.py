@@ -114,6 +114,21 @@ class PushPullStore(Protocol):
 
     def expire(self, now: float | None = None) -> int: ...
 
+    def abort(
+        self,
+        *,
+        key: int,
+        round: int,
+        rank: int,
+        dtype_code: int,
+        length: int,
+        name: str,
+        reason: str,
+        now: float | None = None,
+    ) -> None:
+        """`rank` gives up round `round` of `key` (its call failed): the
+        round fails at once for every rank, naming `rank` and `reason`."""
+
     def join(self, ranks: frozenset[int]) -> int:
         """The ranks in `ranks` have joined (`jaxps.join`): rounds complete
         without them; returns how many rounds that completed now."""
@@ -613,6 +628,33 @@ class Store:
                     k.done = max(k.done, rnd.number)
                     self._drop(rnd)
         return failed
+
+    def abort(
+        self,
+        *,
+        key: int,
+        round: int,
+        rank: int,
+        dtype_code: int,
+        length: int,
+        name: str,
+        reason: str,
+        now: float | None = None,
+    ) -> None:
+        k = self._keys.add(key, dtype_code, length, name)
+        if round <= k.done:
+            return  # complete or failed already: nobody waits for it
+        if k.done == -1 and not k.rounds and k.last is None:
+            k.done = round - 1  # (a new key starts at its first round)
+        rnd = self._round(k, round, now)
+        err = StoreError(
+            "ABORTED",
+            f"round {round} of key {k.label} failed: rank {rank} gave up "
+            f"its push_pull: {reason}",
+        )
+        if rnd.fail(err):
+            k.done = max(k.done, round)
+            self._wake(rnd)
 
     def _poison(self, key: int, number: int, err: StoreError) -> None:
         k = self._keys.get(key)

@@ -312,6 +312,10 @@ class Summation:
         added.
         """
         s = self.check_header(h)
+        reason = getattr(h, "abort", "")
+        if reason:  # the rank's call failed: the round fails for everyone
+            s.store.abort(**_chunk(h), name=h.name, reason=reason)
+            return payload
         if slot is not None:
             # A lent slot holds the sum once its round is complete, so a
             # replayed push from it cannot be checked against its checksum.

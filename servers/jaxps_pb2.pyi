@@ -25,7 +25,7 @@ INT32: DType
 INT64: DType
 
 class Header(_message.Message):
-    __slots__ = ("version", "job_id", "rank", "key", "round", "dtype", "length", "name", "session", "signature", "description")
+    __slots__ = ("version", "job_id", "rank", "key", "round", "dtype", "length", "name", "session", "signature", "description", "abort")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class Header(_message.Message):
     SESSION_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
     version: int
     job_id: str
     rank: int
@@ -48,7 +49,8 @@ class Header(_message.Message):
     session: str
     signature: int
     description: str
-    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., key: _Optional[int] = ..., round: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., name: _Optional[str] = ..., session: _Optional[str] = ..., signature: _Optional[int] = ..., description: _Optional[str] = ...) -> None: ...
+    abort: str
+    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., key: _Optional[int] = ..., round: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., name: _Optional[str] = ..., session: _Optional[str] = ..., signature: _Optional[int] = ..., description: _Optional[str] = ..., abort: _Optional[str] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
     __slots__ = ("version", "job_id", "rank", "num_workers", "session", "init_id", "timeout", "generation")

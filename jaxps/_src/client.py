@@ -294,6 +294,20 @@ class ServerClient:
         reply = self._call(self._push, request, deadline, header, "push")
         self._check_incarnation(reply.incarnation, header)
 
+    def abort(self, header: pb.Header, reason: str, timeout: float) -> None:
+        """Tells the server this rank gives up `header`'s round (its call
+        failed): the round fails for every rank with `reason`. Best effort,
+        one attempt within `timeout`: the other ranks time out anyway."""
+        h = pb.Header()
+        h.CopyFrom(header)
+        h.session = self.session
+        h.abort = reason[:1000] or "unknown error"
+        request = _codec.encode_push(h, b"", 0)
+        try:
+            self._push(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError:
+            pass
+
     def push_pull_future(
         self, header: pb.Header, checksum: int, deadline: float, slot
     ):

@@ -88,6 +88,10 @@ class _Attempt:
     def failed(self) -> bool:
         return self.chunk.handle.failed
 
+    @property
+    def error(self) -> BaseException | None:
+        return self.chunk.handle.error
+
 
 class RecoveringTransport(Transport):
     """A transport that reconnects to a restarted server and goes on.

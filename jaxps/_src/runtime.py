@@ -151,6 +151,11 @@ class Handle:
         """Whether a chunk failed (the rest need not be sent)."""
         return self._error is not None
 
+    @property
+    def error(self) -> BaseException | None:
+        """The first error of a chunk, or None."""
+        return self._error
+
     def done(self) -> bool:
         return self._event.is_set()
 
@@ -199,6 +204,10 @@ class _CheckOf:
     @property
     def failed(self) -> bool:
         return False  # always sent: the handle waits for it
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.handle.error
 
 
 class Runtime:

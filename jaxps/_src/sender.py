@@ -126,25 +126,29 @@ class Sender:
                 chunk = self._queue.get()[-1]
                 if chunk is _STOP:
                     return
-                if chunk.handle.failed:
-                    continue
+                aborted = chunk.handle.failed
                 h, transport = chunk.header, chunk.transport
-                try:
-                    self.acquire(
-                        chunk.nbytes,
-                        transport.timeout,
-                        f"push_pull of {h.name} round {h.round} to server "
-                        f"{transport.address}",
-                    )
-                except errors.JaxpsError as err:
-                    chunk.handle.fail(err)
-                    continue
+                if not aborted:
+                    try:
+                        self.acquire(
+                            chunk.nbytes,
+                            transport.timeout,
+                            f"push_pull of {h.name} round {h.round} to "
+                            f"server {transport.address}",
+                        )
+                    except errors.JaxpsError as err:
+                        chunk.handle.fail(err)
+                        aborted = True
+            if aborted:  # its call failed: the other ranks hear it now
+                _abort(chunk)
+                continue
             lent = _Lent(self)
             try:
                 transport.send(chunk, lent)
             except BaseException as err:  # noqa: BLE001 - the thread goes on
                 lent.settle(chunk.nbytes)
                 chunk.handle.fail(_send_failed(chunk, err))
+                _abort(chunk)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stops the sender threads (after the chunks queued before),
@@ -169,3 +173,11 @@ def _send_failed(chunk: Chunk, err: BaseException) -> errors.JaxpsError:
     )
     failed.__cause__ = err
     return failed
+
+
+def _abort(chunk: Chunk) -> None:
+    """Tells `chunk`'s server its round is given up (never raises)."""
+    try:
+        chunk.transport.abort(chunk)
+    except Exception:  # noqa: BLE001 - best effort: the round times out
+        pass

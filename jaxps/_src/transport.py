@@ -27,6 +27,10 @@ if TYPE_CHECKING:
     from jaxps.servers import jaxps_pb2 as pb
 
 
+#: Seconds a rank's abort of a round may take (see `Transport.abort`).
+ABORT_TIMEOUT = 1.0
+
+
 def fingerprint(array: np.ndarray) -> int:
     """The wire checksum of an array (`_wire.fingerprint`)."""
     return _wire.fingerprint(array.reshape(-1).view(np.uint8))
@@ -51,6 +55,10 @@ class ChunkHandle(Protocol):
     @property
     def failed(self) -> bool:
         """Whether the chunk need not be sent any more."""
+
+    @property
+    def error(self) -> BaseException | None:
+        """Why the call failed (its first error), or None."""
 
 
 class Chunk:
@@ -166,6 +174,17 @@ class Transport(abc.ABC):
     def send(self, chunk: Chunk, credit: Credit) -> None:
         """Pushes `chunk` (its credit is taken) and has its sum pulled;
         may return before the sum is back."""
+
+    def abort(self, chunk: Chunk) -> None:
+        """Tells the server that this rank will not push `chunk` (its call
+        failed), so the other ranks hear it now rather than at the round
+        timeout. Best effort, within `ABORT_TIMEOUT`."""
+        err = chunk.handle.error
+        self.client.abort(
+            chunk.header,
+            f"{type(err).__name__}: {err}" if err is not None else "",
+            ABORT_TIMEOUT,
+        )
 
     def close(self) -> None:
         """Frees what the transport holds; called once no chunk is sent."""

@@ -429,3 +429,39 @@ def test_a_transport_that_raises_fails_only_its_chunk(start_servers):
             )
     finally:
         rt.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_call_failed_on_one_rank_is_heard_by_the_others_at_once(
+    start_servers,
+):
+    """Rank 0's call fails before its pieces leave (a transport raised):
+    it gives up their rounds, and rank 1, waiting for them, hears why
+    within 2 s instead of at the 20 s timeout."""
+    (server,) = start_servers(1, 2)
+    config = dict(servers=(server.address,), num_workers=2, timeout=20)
+    config.update(partition_bytes=SMALL, transport="grpc")
+    runtimes = [Runtime(Config(worker_rank=r, **config)) for r in range(2)]
+    try:
+        transport = runtimes[0]._transports[0]
+        real = transport.send
+
+        def send(chunk, credit):
+            if chunk.header.name.startswith("w"):
+                raise RuntimeError("the device is gone")
+            real(chunk, credit)
+
+        transport.send = send
+        x = np.arange(8 * SMALL, dtype=np.float32)  # 8 chunks
+        start = time.monotonic()
+        handles = [rt.push_pull_async(["w"], [x]) for rt in runtimes]
+        with pytest.raises(errors.JaxpsError, match="the device is gone"):
+            handles[0].wait()
+        with pytest.raises(errors.JaxpsError) as e:
+            handles[1].wait()
+        assert time.monotonic() - start < 2.0
+        assert "rank 0 gave up" in str(e.value), str(e.value)
+        assert "the device is gone" in str(e.value)
+    finally:
+        for rt in runtimes:
+            rt.close()
