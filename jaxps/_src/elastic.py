@@ -29,8 +29,8 @@ import typing as tp
 import numpy as np
 
 from jaxps._src import errors, jit_errors, state
-from jaxps._src.client import ServerClient, channel_credentials
 from jaxps._src.config import Config
+from jaxps._src.transport.client import ServerClient, channel_credentials
 from jaxps.servers import _wire
 from jaxps.servers import jaxps_pb2 as pb
 

@@ -39,21 +39,26 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxps._src import errors, plan, shm, topology
+from jaxps._src import errors, plan, topology
 from jaxps._src import timeline as _timeline
-from jaxps._src.client import (
+from jaxps._src.config import Config
+from jaxps._src.sender import Sender
+from jaxps._src.transport import shm
+from jaxps._src.transport.base import (
+    Chunk,
+    Transport,
+    fingerprint,
+    pull_deadline,
+)
+from jaxps._src.transport.client import (
     ServerClient,
     channel_credentials,
     tls_context,
 )
-from jaxps._src.config import Config
-from jaxps._src.datachannel import DataConnection
-from jaxps._src.failover import RecoveringTransport
-from jaxps._src.sender import Sender
-from jaxps._src.transport import Chunk, Transport, fingerprint, pull_deadline
-from jaxps._src.transport_grpc import GrpcTransport
-from jaxps._src.transport_shm import ShmTransport
-from jaxps._src.transport_tcp import TcpTransport
+from jaxps._src.transport.data import DataConnection, DataTransport
+from jaxps._src.transport.failover import RecoveringTransport
+from jaxps._src.transport.grpc import GrpcTransport
+from jaxps._src.transport.shm import ShmTransport
 from jaxps.servers import _wire
 from jaxps.servers import jaxps_pb2 as pb
 
@@ -709,7 +714,7 @@ def make_transport(
       still go in gRPC messages past ``shm_bytes`` or where the server
       cannot map the segments (found at the first Attach).
     - ``"auto"`` (other servers) and ``"tcp"`` (every server): the data
-      channel (`TcpTransport`) where the server offers one.
+      channel (`DataTransport`) where the server offers one.
     - Else, and for ``"grpc"``: payloads in the gRPC messages
       (`GrpcTransport`).
     """
@@ -741,7 +746,7 @@ def make_transport(
                     tls=tls,
                 )
 
-            return TcpTransport(client, open_data, timeline)
+            return DataTransport(client, open_data, timeline)
         log.info(
             "jaxps: server %s offers no data channel; payloads go in gRPC "
             "messages",

@@ -17,7 +17,7 @@ import threading
 import time
 
 from jaxps._src import errors
-from jaxps._src.transport import Chunk
+from jaxps._src.transport.base import Chunk
 
 _STOP = object()
 

@@ -16,8 +16,8 @@ from jaxps._src import runtime as runtime_module
 from jaxps._src.config import Config
 from jaxps._src.errors import MismatchError
 from jaxps._src.runtime import Runtime
-from jaxps._src.transport_grpc import GrpcTransport
-from jaxps._src.transport_shm import ShmTransport
+from jaxps._src.transport.grpc import GrpcTransport
+from jaxps._src.transport.shm import ShmTransport
 from jaxps.servers import _wire
 
 SMALL = 4096  # partition bytes that make several chunks out of small arrays

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from jaxps import errors
-from jaxps._src import shm
-from jaxps._src.client import ServerClient
 from jaxps._src.config import Config
 from jaxps._src.runtime import Runtime
+from jaxps._src.transport import shm
+from jaxps._src.transport.client import ServerClient
 from jaxps.servers import _codec, _shm, _wire
 from jaxps.servers import jaxps_pb2 as pb
 

@@ -222,7 +222,7 @@ def test_server_survives_malformed_frames(module_server, data):
 def test_workers_sum_over_the_data_channel_with_a_token(start_servers):
     from jaxps._src.config import Config
     from jaxps._src.runtime import Runtime
-    from jaxps._src.transport_tcp import TcpTransport
+    from jaxps._src.transport.data import DataTransport
 
     (server,) = start_servers(1, 2, "--token", TOKEN)
     runtimes = [
@@ -240,7 +240,7 @@ def test_workers_sum_over_the_data_channel_with_a_token(start_servers):
     ]
     try:
         assert all(
-            isinstance(t.current, TcpTransport) and t.connection is not None
+            isinstance(t.current, DataTransport) and t.connection is not None
             for rt in runtimes
             for t in rt._transports
         )

@@ -13,9 +13,9 @@ import time
 import numpy as np
 import pytest
 
-from jaxps._src import transport_tcp
 from jaxps._src.config import Config
 from jaxps._src.runtime import Runtime
+from jaxps._src.transport import data as transport_data
 from jaxps.servers import _wire
 
 
@@ -132,7 +132,7 @@ def test_fixed_data_port(start_servers):
 
 @pytest.mark.timeout(60)
 def test_a_lost_data_channel_is_opened_again(start_servers, monkeypatch):
-    monkeypatch.setattr(transport_tcp, "RETRY_FIRST", 0.5)
+    monkeypatch.setattr(transport_data, "RETRY_FIRST", 0.5)
     (server,) = start_servers(1, 2)
     runtimes = job(server)
     try:

@@ -8,7 +8,7 @@ import grpc
 import numpy as np
 
 from jaxps._src import errors
-from jaxps._src.transport import (
+from jaxps._src.transport.base import (
     Chunk,
     Credit,
     Transport,

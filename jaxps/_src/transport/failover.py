@@ -38,7 +38,7 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxps._src import errors
-from jaxps._src.transport import Chunk, Credit, Transport, fingerprint
+from jaxps._src.transport.base import Chunk, Credit, Transport, fingerprint
 from jaxps.servers import jaxps_pb2 as pb
 
 log = logging.getLogger("jaxps")

@@ -4,10 +4,10 @@ A transport carries the chunks of one server client (one channel): the
 payload goes to the server, and the sum of all workers comes back into the
 chunk's dest. `Transport` says what every transport must guarantee and
 holds what they share: `_complete` ends a chunk the same way for all of
-them. The transports are `transport_grpc.GrpcTransport` (payloads in the
-gRPC messages), `transport_shm.ShmTransport` (payloads in shared-memory
-slots) and `transport_tcp.TcpTransport` (payloads on the server's data
-channel); `runtime.make_transport` picks one per server client.
+them. The transports are `grpc.GrpcTransport` (payloads in the gRPC
+messages), `shm.ShmTransport` (payloads in shared-memory slots) and
+`data.DataTransport` (payloads on the server's data channel);
+`runtime.make_transport` picks one per server client.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from jaxps._src import timeline as _timeline
 from jaxps.servers import _wire
 
 if TYPE_CHECKING:
-    from jaxps._src.client import ServerClient
+    from jaxps._src.transport.client import ServerClient
     from jaxps.servers import jaxps_pb2 as pb
 
 
