@@ -9,6 +9,8 @@ payload up and the same back, in calls of each size, for every path:
 
 * ``tcp``: a raw TCP echo (the machine's limit): the client sends a call's
   bytes while a second thread reads them back as the server echoes them.
+* ``tls-echo``: the same echo over Python's TLS (run with ``tls`` among
+  ``--transports``): the limit of a TLS data channel in Python.
 * ``grpc-echo``: a bare gRPC Python echo (``grpc.aio`` server, raw bytes, no
   protobuf), a call sent as messages of at most ``--partition-mib``, all in
   flight at once.
@@ -35,6 +37,7 @@ import json
 import os
 import resource
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -76,8 +79,9 @@ def _measure(call, calls: int, server_pid: int) -> dict:
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
     while len(view):
-        n = sock.recv_into(view, len(view), socket.MSG_WAITALL)
+        n = sock.recv_into(view, len(view), flags)
         if n == 0:
             raise ConnectionError("peer closed the connection")
         view = view[n:]
@@ -92,6 +96,10 @@ def tcp_server(args) -> None:
         print(READY + str(listener.getsockname()[1]), flush=True)
         conn, _ = listener.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if args.tls_key:  # tls-echo
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(args.tls_cert, args.tls_key)
+        conn = context.wrap_socket(conn, server_side=True)
     buf = memoryview(bytearray(max(args.sizes_mib) * MB))
     head = memoryview(bytearray(_LEN.size))
     while True:
@@ -143,6 +151,9 @@ def grpc_server(args) -> None:
 def tcp_client(args) -> dict:
     sock = socket.create_connection((LOOPBACK, args.port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if args.tls_cert:  # tls-echo
+        context = ssl.create_default_context(cafile=args.tls_cert)
+        sock = context.wrap_socket(sock, server_hostname=LOOPBACK)
     nbytes = args.size_mib * MB
     out = np.random.default_rng(0).bytes(nbytes)
     back = memoryview(bytearray(nbytes))
@@ -239,8 +250,11 @@ def _server_argv(path: str, args) -> list[str]:
             str(args.partition_mib * MB + 65536),
             *tls,
         ]
-    role = "tcp-server" if path == "tcp" else "grpc-server"
-    return [sys.executable, os.path.abspath(__file__), "--role", role] + [
+    role = "grpc-server" if path == "grpc-echo" else "tcp-server"
+    tls = []
+    if path == "tls-echo":
+        tls = ["--tls-cert", args.tls_cert, "--tls-key", args.tls_key]
+    return [sys.executable, os.path.abspath(__file__), "--role", role, *tls] + [
         "--sizes-mib",
         ",".join(map(str, args.sizes_mib)),
         "--partition-mib",
@@ -271,12 +285,15 @@ def run_path(path: str, size_mib: int, args, log_dir: str) -> dict:
         port = server.wait_for_line(ready, 60).rpartition(":")[2]
         calls = max(2, args.total_mib // size_mib)
         role = "jaxps-client" if path.startswith("jaxps") else f"{path}-client"
+        if path == "tls-echo":
+            role = "tcp-client"
         argv = [sys.executable, os.path.abspath(__file__), "--role", role]
         argv += ["--port", port, "--server-pid", str(server.proc.pid)]
         argv += ["--size-mib", str(size_mib), "--calls", str(calls)]
         argv += ["--partition-mib", str(args.partition_mib)]
         if path.startswith("jaxps-"):
             argv += ["--transport", path[len("jaxps-") :]]
+        if path.startswith("jaxps-") or path == "tls-echo":
             argv += ["--tls-cert", args.tls_cert]
         client = Child(f"{path}-{size_mib}-client", argv, log_dir)
         started.append(client)
@@ -323,9 +340,9 @@ def main(argv=None) -> int:
             print(RESULT + json.dumps(result), flush=True)
         return 0
 
-    paths = ["tcp", "grpc-echo"] + [
-        f"jaxps-{t}" for t in args.transports.split(",") if t
-    ]
+    transports = [t for t in args.transports.split(",") if t]
+    paths = ["tcp", "grpc-echo"] + (["tls-echo"] if "tls" in transports else [])
+    paths += [f"jaxps-{t}" for t in transports]
     table: dict = {}
     with tempfile.TemporaryDirectory(prefix="jaxps-transport-") as log_dir:
         args.tls_cert, args.tls_key = _certificate(log_dir)
