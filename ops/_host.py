@@ -18,6 +18,8 @@ from jaxps._src import errors, state, timeline
 
 _lock = threading.Lock()
 _tickets: dict[int, object] = {}
+#: the runtime the tickets are of; a new init drops the old one's
+_owner = None
 _next = itertools.count(1)
 # Tickets stay below 2**24, so that a float32 holds one exactly (the
 # overlapped backward pass carries them as cotangents, see _overlap.py).
@@ -144,7 +146,14 @@ def start(
         call=None if call is None else f"{call}@{int(shard)}",
         donate=True,  # its own copies
     )
+    global _owner
     with _lock:
+        if _owner is not runtime:
+            # A new init: tickets whose done never ran (their program
+            # failed between start and done) are of a closed runtime; drop
+            # them and the sums they hold.
+            _tickets.clear()
+            _owner = runtime
         ticket = 0
         while ticket == 0 or ticket in _tickets:
             ticket = next(_next) % TICKETS
