@@ -318,7 +318,12 @@ class Runtime:
                 ),
                 config.worker_rank,
             )
-        self._transports = _open_transports(clients, config, self.timeline)
+        try:
+            self._transports = _open_transports(clients, config, self.timeline)
+        except BaseException:  # its clients are closed; so is the timeline
+            if self.timeline is not None:
+                self.timeline.close()
+            raise
         if config.recovery_window > 0 and not self.async_servers:
             # Async servers hold the parameters: a restart loses them.
             self._transports = [
