@@ -1,0 +1,135 @@
+"""The cost of many leaves: a jitted push_pull of a tree of L leaves against
+one leaf of the same bytes, in the same run.
+
+Real models are not single tensors (ResNet-50: 161 parameter tensors,
+BERT-base: about 200). Two workers and two servers on 127.0.0.1, one
+device each; each worker times ``jax.jit(jaxps.push_pull)`` of a dict of
+L equal float32 leaves for every L of ``--leaves`` and every size of
+``--sizes-kib`` (bytes per call, split over the leaves). The peer of each
+row is the 1-leaf call of the same bytes::
+
+    python benchmarks/leaves.py [--leaves 1,50,200] [--sizes-kib 256,16384]
+
+``--profile`` prints the hottest functions of worker 0 (py-spy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _common  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--leaves", default="1,50,200")
+    p.add_argument("--sizes-kib", default="256,16384", help="KiB per call")
+    p.add_argument("--repeats", type=int, default=40, help="timed calls")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def child(args) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    import jaxps
+
+    jaxps.init()
+    result = {}
+    for kib in (int(s) for s in args.sizes_kib.split(",")):
+        for leaves in (int(s) for s in args.leaves.split(",")):
+            each = kib * 1024 // 4 // leaves
+            tree = {
+                f"w{i:03d}": jnp.full((each,), jaxps.rank() + 1.0)
+                for i in range(leaves)
+            }
+            name = f"t{kib}x{leaves}"
+            f = jax.jit(lambda t, name=name: jaxps.push_pull(t, name=name))
+            for _ in range(3):
+                jax.block_until_ready(f(tree))
+            times = []
+            for _ in range(args.repeats):
+                began = time.perf_counter()
+                out = jax.block_until_ready(f(tree))
+                times.append(time.perf_counter() - began)
+            assert float(out["w000"][0]) == 1.5, float(out["w000"][0])
+            result[f"{kib},{leaves}"] = _common.median(times)
+    print("RESULT " + json.dumps(result), flush=True)
+    jaxps.shutdown()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        child(args)
+        return 0
+    with tempfile.TemporaryDirectory(prefix="jaxps-leaves-") as tmp:
+        with _common.children() as started:
+            ports = [_common.free_port() for _ in range(2)]
+            for i, port in enumerate(ports):
+                server = _common.Child(
+                    f"server{i}",
+                    ["jaxps-server", "--port", str(port), "--num-workers", "2"],
+                    tmp,
+                )
+                started.append(server)
+                server.wait_for_line("jaxps-server listening", 60)
+            argv = [sys.executable, os.path.abspath(__file__), "--child"]
+            argv += ["--leaves", args.leaves, "--sizes-kib", args.sizes_kib]
+            argv += ["--repeats", str(args.repeats)]
+            servers = ",".join(f"{_common.LOOPBACK}:{p}" for p in ports)
+            ranks = [
+                _common.Child(
+                    f"worker{rank}",
+                    argv,
+                    tmp,
+                    {
+                        "XLA_FLAGS": "",
+                        "JAXPS_SERVERS": servers,
+                        "JAXPS_NUM_WORKERS": "2",
+                        "JAXPS_WORKER_RANK": str(rank),
+                    },
+                )
+                for rank in range(2)
+            ]
+            started.extend(ranks)
+            results = [
+                json.loads(r.wait_for_line("RESULT ", 900)) for r in ranks
+            ]
+    times = {
+        key: max(r[key] for r in results) for key in results[0]
+    }  # a call's time is the slower rank's
+    rows = []
+    for key, t in times.items():
+        kib, leaves = key.split(",")
+        one = times.get(f"{kib},1")
+        rows.append(
+            [
+                kib,
+                leaves,
+                f"{t * 1e3:.1f}",
+                f"{t / one:.2f}" if one else "-",
+                f"{(t - one) / max(1, int(leaves) - 1) * 1e3:.3f}"
+                if one and leaves != "1"
+                else "-",
+            ]
+        )
+    header = ["KiB/call", "leaves", "ms/call", "x 1 leaf", "ms/extra leaf"]
+    print(_common.format_table(header, rows))
+    print(
+        f"(median of {args.repeats} calls, slower rank; load average "
+        f"{_common.load_average()})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
