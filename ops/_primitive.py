@@ -6,13 +6,14 @@ host callbacks: a start that hands the arrays to the runtime and returns a
 ticket at once, and a done that waits for the sums. push_pull is linear, so
 its JVP and its transpose are push_pulls of the tangents and cotangents.
 
-The primitive has an effect (`PushPullEffect`, unordered like
-``io_callback(ordered=False)``'s): other workers wait for every push, so a
-push_pull whose result is unused must still run (no dead-code elimination),
-and it must run exactly once per step. Under `jax.checkpoint` / remat an
-effectful equation is never recomputed: its outputs are saved as residuals
+Other workers wait for every push, so a push_pull whose result is unused
+must still run (no dead-code elimination), and it must run exactly once per
+step: under `jax.checkpoint` / remat its outputs are saved as residuals
 whatever the policy, so the backward pass reuses the sum instead of pushing
-again under the same name.
+again under the same name. An effect would give both, but a jit with any
+effect cannot take JAX's C++ dispatch path (about 0.03 ms more per input
+and output array, `benchmarks/leaves.py`), so the primitive has none and
+`_callback.keep_always` registers a dead-code and a remat rule instead.
 """
 
 from __future__ import annotations
@@ -27,9 +28,6 @@ from jax.interpreters import ad, batching, mlir
 
 from jaxps._src import jit_errors
 from jaxps.ops import _callback, _host, _sharded
-
-PushPullEffect = _callback.PushPullEffect
-_EFFECT = _callback.EFFECT
 
 push_pull_p = Primitive("jaxps_push_pull")
 push_pull_p.multiple_results = True
@@ -65,7 +63,7 @@ def _abstract_eval(*avals, names, average, priorities, mode):
         )
     # same shape, dtype and sharding; varying over the same manual axes as
     # each operand (for shard_map's check_vma)
-    return [a.update(weak_type=False) for a in arrays], {_EFFECT}
+    return [a.update(weak_type=False) for a in arrays], set()
 
 
 def _impl(*args, names, average, priorities, mode):
@@ -181,6 +179,7 @@ def _batch(args, dims, *, names, average, priorities, mode):
 
 push_pull_p.def_impl(_impl)
 push_pull_p.def_effectful_abstract_eval(_abstract_eval)
+_callback.keep_always(push_pull_p)
 
 
 def _lowering(ctx, *args, **params):
