@@ -190,6 +190,8 @@ _CHECK_PAYLOAD.flags.writeable = False
 #: workers' arrays; ``"async"`` servers (``jaxps-server --async``) hold
 #: parameters, add each push into them and answer with the latest.
 MODES = ("sync", "async")
+#: Most call checks kept (one per call signature; all dropped past it).
+MAX_CACHED_CHECKS = 4096
 
 
 class _CheckOf:
@@ -246,6 +248,9 @@ class Runtime:
         self._join_epoch = 0  # joins completed
         self._seq = itertools.count()
         self._plans: dict = {}
+        # per call signature: its call check; per (dtype, average): checked
+        self._checks: dict = {}
+        self._checked_dtypes: set = set()
         self._outputs = plan.Outputs()
         self._transports: list[Transport] = []
         self._sender: Sender | None = None
@@ -428,9 +433,12 @@ class Runtime:
             raise ValueError(f"tensor names must be unique, got {names}.")
         self.check_mode(names, mode)
         flats = []
+        checked = self._checked_dtypes
         for name, array in zip(names, arrays):
             array = np.asarray(array)
-            _check_array(name, array, average)
+            if (array.dtype, average) not in checked:
+                _check_array(name, array, average)
+                checked.add((array.dtype, average))
             flats.append(np.ascontiguousarray(array).reshape(-1))
         shapes = [np.shape(a) for a in arrays]
         timeout = 2 * pull_deadline(self.config.timeout)
@@ -450,7 +458,7 @@ class Runtime:
             priorities = [-i for i in range(len(names))]
         check = None
         if self.size > 1 and not self.async_servers:
-            check = plan.call_check(names, arrays, call)
+            check = self._call_check(names, arrays, flats, shapes, call)
         live_flats = [flats[i] for i in live]
         wire_names = self._begin(names, [names[i] for i in live], live_flats)
         try:
@@ -588,6 +596,17 @@ class Runtime:
         return self.push_pull_async(
             [name], [array], average=average, mode=mode
         ).wait()[0]
+
+    def _call_check(self, names, arrays, flats, shapes, call) -> plan.CallCheck:
+        """`plan.call_check` of a call, computed once per signature."""
+        sig = (tuple(names), tuple(shapes), tuple(f.dtype for f in flats), call)
+        check = self._checks.get(sig)
+        if check is None:
+            if len(self._checks) >= MAX_CACHED_CHECKS:
+                self._checks.clear()
+            check = plan.call_check(names, arrays, call)
+            self._checks[sig] = check
+        return check
 
     def _plan(self, names, flats, priorities):
         sig = (
