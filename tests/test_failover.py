@@ -62,7 +62,7 @@ def _start_server(port, num_workers=2):
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
-    "transport, kill_at", [("auto", 5), ("grpc", 30), ("tcp", 17)]
+    "transport, kill_at", [("shm", 5), ("grpc", 30), ("tcp", 17)]
 )
 def test_killed_and_restarted_server_loses_no_step(
     tmp_path, transport, kill_at

@@ -736,7 +736,9 @@ def make_transport(
     - ``"auto"`` and ``"shm"``: shared memory (`ShmTransport`) for a server
       on a loopback address, unless ``config.shm_bytes`` is 0; its chunks
       still go in gRPC messages past ``shm_bytes`` or where the server
-      cannot map the segments (found at the first Attach).
+      cannot map the segments (found at the first Attach). With ``"auto"``
+      its chunks under `shm.SMALL_BYTES` (and call checks) go on the data
+      channel, where a call costs less than a shared-memory PushPull.
     - ``"auto"`` (other servers) and ``"tcp"`` (every server): the data
       channel (`DataTransport`) where the server offers one.
     - Else, and for ``"grpc"``: payloads in the gRPC messages
@@ -749,34 +751,44 @@ def make_transport(
             client.attach, config.partition_bytes, config.shm_bytes
         )
         if pool.enabled:
-            return ShmTransport(client, pool, timeline)
+            small = None
+            if transport == "auto" and client.data_port:
+                small = _data_transport(client, config, timeline)
+            return ShmTransport(client, pool, timeline, small=small)
     if transport == "tcp" or (transport == "auto" and not local):
         if client.data_port:
-            tls = tls_context(config)
-
-            def open_data() -> DataConnection:
-                if not client.data_nonce:  # used: a new hello, a new one
-                    client.hello_again()
-                nonce, client.data_nonce = client.data_nonce, b""
-                return DataConnection(
-                    client.address,
-                    client.data_port,
-                    nonce,
-                    rank=config.worker_rank,
-                    job_id=config.job_id,
-                    token=config.token,
-                    incarnation=client.incarnation,
-                    timeout=config.timeout,
-                    tls=tls,
-                )
-
-            return DataTransport(client, open_data, timeline)
+            return _data_transport(client, config, timeline)
         log.info(
             "jaxps: server %s offers no data channel; payloads go in gRPC "
             "messages",
             client.address,
         )
     return GrpcTransport(client, timeline)
+
+
+def _data_transport(
+    client: ServerClient, config: Config, timeline
+) -> DataTransport:
+    """A `DataTransport` on `client`'s server's data channel."""
+    tls = tls_context(config)
+
+    def open_data() -> DataConnection:
+        if not client.data_nonce:  # used: a new hello, a new one
+            client.hello_again()
+        nonce, client.data_nonce = client.data_nonce, b""
+        return DataConnection(
+            client.address,
+            client.data_port,
+            nonce,
+            rank=config.worker_rank,
+            job_id=config.job_id,
+            token=config.token,
+            incarnation=client.incarnation,
+            timeout=config.timeout,
+            tls=tls,
+        )
+
+    return DataTransport(client, open_data, timeline)
 
 
 def _check_array(name: str, array: np.ndarray, average: bool) -> None:

@@ -39,7 +39,7 @@ def test_shared_memory_carries_the_payloads(start_servers):
         return sums, [len(p.segment_ids) for p in pools if p is not None]
 
     for sums, segments in run_workers(
-        2, servers, fn, partition_bytes=PARTITION
+        2, servers, fn, partition_bytes=PARTITION, transport="shm"
     ):
         assert segments and min(segments) >= 1  # both servers use it
         for got in sums:
@@ -61,7 +61,9 @@ def test_small_pool_falls_back_to_grpc_without_waiting(start_servers):
         pool.max_segments = 1
         return [rt.push_pull(f"t{i}", x, average=False) for i in range(3)]
 
-    for sums in run_workers(2, servers, fn, partition_bytes=PARTITION):
+    for sums in run_workers(
+        2, servers, fn, partition_bytes=PARTITION, transport="shm"
+    ):
         for got in sums:
             np.testing.assert_array_equal(got, 2 * x)
 
@@ -87,7 +89,7 @@ def test_server_on_another_host_falls_back_to_grpc(start_servers, monkeypatch):
         return got, pool is None or not pool.enabled
 
     for got, fell_back in run_workers(
-        2, servers, fn, partition_bytes=PARTITION
+        2, servers, fn, partition_bytes=PARTITION, transport="shm"
     ):
         assert fell_back
         np.testing.assert_array_equal(got, 2 * x)
@@ -110,7 +112,12 @@ def test_tiny_partitions_through_shared_memory(start_servers, partition_bytes):
         return got, time.monotonic() - started, pools
 
     for got, took, pools in run_workers(
-        3, servers, fn, partition_bytes=partition_bytes, timeout=3.0
+        3,
+        servers,
+        fn,
+        partition_bytes=partition_bytes,
+        timeout=3.0,
+        transport="shm",
     ):
         np.testing.assert_array_equal(got, 6 * x)
         assert took < 3.0
@@ -288,7 +295,7 @@ def test_segments_are_capped_per_rank_and_by_the_budget():
 
 
 @contextlib.contextmanager
-def two_workers(server, timeout=30.0, transport="auto"):
+def two_workers(server, timeout=30.0, transport="shm"):
     """Runtimes of ranks 0 and 1 of a 2-worker job on `server`."""
     rt = [
         Runtime(
