@@ -58,11 +58,12 @@ SEGMENT_BYTES = 16 * 1024 * 1024
 #: Slots start at multiples of this many bytes (a cache line), so that the
 #: elements of every dtype are aligned and two slots share no cache line.
 SLOT_ALIGN = 64
-#: Chunks under this go on the data channel when the transport has one
-#: (``transport="auto"``): a shared-memory PushPull is a gRPC call, about
-#: 1.7 ms more per call than a data-channel frame here, and only from 4-16
-#: MiB does the one copy of shared memory catch up (127.0.0.1, 2 workers).
-SMALL_BYTES = 1 << 20
+#: Chunks under this (the default partition: the tails and small tensors)
+#: go on the data channel when the transport has one (``transport="auto"``):
+#: a shared-memory PushPull is a gRPC call, about 1.7 ms more per call than
+#: a data-channel frame here, and only from 4-16 MiB does the one copy of
+#: shared memory catch up (127.0.0.1, 2 workers).
+SMALL_BYTES = 4 << 20
 
 
 def is_local(address: str) -> bool:
