@@ -386,7 +386,16 @@ class _Connection:
             )
             self.sock.settimeout(max(0.1, deadline - time.monotonic()))
         raw = memoryview(bytearray(_wire.DATA_HELLO.size))
-        _wire.recv_exact(self.sock, raw)
+        view = raw
+        while len(view):  # by the deadline, however slowly it trickles
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no hello within {HELLO_TIMEOUT:g} s")
+            self.sock.settimeout(left)
+            n = self.sock.recv_into(view, len(view))
+            if n == 0:
+                raise ConnectionError("the peer closed before its hello")
+            view = view[n:]
         magic, version, rank, nonce, mac = _wire.DATA_HELLO.unpack(raw)
         error = None
         if magic != _wire.DATA_MAGIC:

@@ -306,10 +306,9 @@ class Jobs:
             if f.generation != generation:
                 continue
             member = f.members.get(rank)
-            if (
-                member is None
-                and f.formed is None
-                or (member is not None and member.init_id == init_id)
+            forming_without_it = member is None and f.formed is None
+            if forming_without_it or (
+                member is not None and member.init_id == init_id  # (a channel)
             ):
                 self._check_size(f, rank, n, generation)
                 f.last_seen = now

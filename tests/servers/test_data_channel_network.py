@@ -285,3 +285,30 @@ def test_blocked_data_port_falls_back_to_grpc_within_3_s(start_servers, caplog):
         r.getMessage() for r in caplog.records if r.levelname == "WARNING"
     ]
     assert any(f"Open TCP port {data_port}" in w for w in warnings), warnings
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_a_hello_that_trickles_is_cut_at_the_deadline(start_servers):
+    """One byte a second never makes a hello: the server closes the
+    connection once its 5 s are up, however slowly the bytes come."""
+    port = free_port()
+    start_servers(1, 1, "--data-port", str(port))
+    sock = socket.create_connection(("127.0.0.1", port), 5)
+    start = time.monotonic()
+    try:
+        with pytest.raises((ConnectionError, BrokenPipeError)):
+            while time.monotonic() - start < 20:
+                sock.sendall(b"\0")
+                time.sleep(1.0)
+                sock.setblocking(False)
+                try:
+                    if sock.recv(1 << 16) == b"":
+                        raise ConnectionError("closed by the server")
+                except BlockingIOError:
+                    pass
+                finally:
+                    sock.setblocking(True)
+        assert time.monotonic() - start < 8
+    finally:
+        sock.close()
