@@ -15,6 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 
 from jaxps._src import errors
 from jaxps._src.transport.base import Chunk
@@ -71,6 +72,9 @@ class Sender:
         self._cv = threading.Condition()
         self._take = threading.Lock()
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        # calls whose failure a server was told of: once is enough, since
+        # another rank's call fails as soon as any of its rounds does
+        self._aborted: weakref.WeakSet = weakref.WeakSet()
         self.threads = [
             threading.Thread(
                 target=self._send_loop, daemon=True, name=f"jaxps-send-{i}"
@@ -140,7 +144,7 @@ class Sender:
                         chunk.handle.fail(err)
                         aborted = True
             if aborted:  # its call failed: the other ranks hear it now
-                _abort(chunk)
+                self._abort(chunk)
                 continue
             lent = _Lent(self)
             try:
@@ -148,7 +152,19 @@ class Sender:
             except BaseException as err:  # noqa: BLE001 - the thread goes on
                 lent.settle(chunk.nbytes)
                 chunk.handle.fail(_send_failed(chunk, err))
-                _abort(chunk)
+                self._abort(chunk)
+
+    def _abort(self, chunk: Chunk) -> None:
+        """Tells `chunk`'s server its round is given up, once per call
+        (never raises: at worst the other ranks time out)."""
+        with self._cv:
+            if chunk.handle in self._aborted:
+                return
+            self._aborted.add(chunk.handle)
+        try:
+            chunk.transport.abort(chunk)
+        except Exception:  # noqa: BLE001 - best effort
+            pass
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stops the sender threads (after the chunks queued before),
@@ -173,11 +189,3 @@ def _send_failed(chunk: Chunk, err: BaseException) -> errors.JaxpsError:
     )
     failed.__cause__ = err
     return failed
-
-
-def _abort(chunk: Chunk) -> None:
-    """Tells `chunk`'s server its round is given up (never raises)."""
-    try:
-        chunk.transport.abort(chunk)
-    except Exception:  # noqa: BLE001 - best effort: the round times out
-        pass
