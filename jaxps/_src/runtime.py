@@ -197,7 +197,7 @@ MAX_CACHED_CHECKS = 4096
 class _CheckOf:
     """The `ChunkHandle` of a call check's chunk: tells its handle."""
 
-    __slots__ = ("handle",)
+    __slots__ = ("handle", "__weakref__")
 
     def __init__(self, handle: Handle):
         self.handle = handle

@@ -157,13 +157,13 @@ class Sender:
     def _abort(self, chunk: Chunk) -> None:
         """Tells `chunk`'s server its round is given up, once per call
         (never raises: at worst the other ranks time out)."""
-        with self._cv:
-            if chunk.handle in self._aborted:
-                return
-            self._aborted.add(chunk.handle)
         try:
+            with self._cv:
+                if chunk.handle in self._aborted:
+                    return
+                self._aborted.add(chunk.handle)
             chunk.transport.abort(chunk)
-        except Exception:  # noqa: BLE001 - best effort
+        except Exception:  # noqa: BLE001 - best effort, never the thread's end
             pass
 
     def stop(self, timeout: float = 5.0) -> None:

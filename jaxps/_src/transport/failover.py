@@ -72,7 +72,7 @@ class _Attempt:
     """The `ChunkHandle` of one attempt to send a chunk: keeps its payload
     once done, fails over if it failed."""
 
-    __slots__ = ("owner", "chunk", "generation")
+    __slots__ = ("owner", "chunk", "generation", "__weakref__")
 
     def __init__(self, owner: RecoveringTransport, chunk: Chunk, generation):
         self.owner, self.chunk, self.generation = owner, chunk, generation
