@@ -127,6 +127,25 @@ class Credit(Protocol):
         """Ends a wait that `may_block` allowed."""
 
 
+class _Spent:
+    """The `Credit` of a chunk sent again, whose credit already went back:
+    nothing to give back, and it never waits for a round."""
+
+    def release(self, nbytes: int) -> None:
+        del nbytes
+
+    def may_block(self) -> bool:
+        return False
+
+    def unblock(self) -> None:
+        pass
+
+
+#: The credit of every chunk that is sent again (failover, a data channel
+#: that broke): its own credit went back with the first send.
+SPENT: Credit = _Spent()
+
+
 class Transport(abc.ABC):
     """Carries the chunks of one server client and brings their sums back.
 

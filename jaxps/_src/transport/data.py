@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxps._src import errors
 from jaxps._src.transport.base import (
+    SPENT,
     Chunk,
     Credit,
     fingerprint,
@@ -407,19 +408,6 @@ class DataConnection:
         self.sock.close()
 
 
-class _Spent:
-    """The credit of a chunk whose credit already went back."""
-
-    def release(self, nbytes: int) -> None:
-        del nbytes
-
-    def may_block(self) -> bool:
-        return False
-
-    def unblock(self) -> None:
-        pass
-
-
 class DataTransport(GrpcTransport):
     """Sends each chunk as one frame on a `DataConnection`; the server
     acknowledges the push (the credit goes back) and later sends the sum,
@@ -563,7 +551,7 @@ class DataTransport(GrpcTransport):
             return
         try:
             self.push_then_pull(
-                chunk, _Spent(), self._span("queue", chunk.queued, chunk)
+                chunk, SPENT, self._span("queue", chunk.queued, chunk)
             )
         except Exception as late:  # noqa: BLE001 - e.g. the channel closed
             chunk.handle.fail(

@@ -38,7 +38,13 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxps._src import errors
-from jaxps._src.transport.base import Chunk, Credit, Transport, fingerprint
+from jaxps._src.transport.base import (
+    SPENT,
+    Chunk,
+    Credit,
+    Transport,
+    fingerprint,
+)
 from jaxps.servers import jaxps_pb2 as pb
 
 log = logging.getLogger("jaxps")
@@ -50,22 +56,6 @@ RECOVERABLE = (errors.ServerRestartedError, errors.ServerUnavailableError)
 #: threads and without the chunk's credit (`client.RETRY_WINDOW` without
 #: failover).
 RETRY_WINDOW = 0.25
-
-
-class _FreeCredit:
-    """The credit of a chunk sent again: it gave its bytes back already."""
-
-    def release(self, nbytes: int) -> None:
-        del nbytes
-
-    def may_block(self) -> bool:
-        return False
-
-    def unblock(self) -> None:
-        pass
-
-
-_FREE = _FreeCredit()
 
 
 class _Attempt:
@@ -236,7 +226,7 @@ class RecoveringTransport(Transport):
             for chunk in waiting:
                 if chunk.handle.failed:
                     continue
-                self._send(inner, chunk, _FREE, generation)
+                self._send(inner, chunk, SPENT, generation)
 
     def _recover(self, err: BaseException, failed_at: float) -> None:
         """Connects again and re-pushes the kept rounds, then puts the new
