@@ -38,6 +38,18 @@ def _chunk(h) -> dict:
     )
 
 
+async def _set_by(event: asyncio.Event, deadline: float) -> bool:
+    """Waits for `event` until `deadline` (a `time.monotonic()` value);
+    returns whether it was set."""
+    try:
+        await asyncio.wait_for(
+            event.wait(), max(0.0, deadline - time.monotonic())
+        )
+    except asyncio.TimeoutError:
+        return False
+    return True
+
+
 class Summation:
     """Sums the chunks pushed by `num_workers` ranks and answers pulls.
 
@@ -413,17 +425,13 @@ class Summation:
             s.store.join(frozenset(joins.joined))
             event = asyncio.Event()
             joins.wait(event.set)
-            try:
-                await asyncio.wait_for(
-                    event.wait(), max(0.0, deadline - time.monotonic())
-                )
-            except asyncio.TimeoutError:
+            if not await _set_by(event, deadline):
                 raise _wire.Rejected(
                     "DEADLINE_EXCEEDED",
                     f"join of rank {h.rank} timed out waiting for rank(s) "
                     f"{joins.missing()} to join (ranks {sorted(joins.joined)} "
                     "did); the rank stays joined.",
-                ) from None
+                )
         return joins.last
 
     @staticmethod
@@ -432,11 +440,8 @@ class Summation:
         event = asyncio.Event()
         rnd.waiters.append(event.set)
         cancel = s.on_end(event.set)
-        timeout = min(rnd.deadline, deadline) - time.monotonic()
-        try:
-            await asyncio.wait_for(event.wait(), max(0.0, timeout))
-        except asyncio.TimeoutError:
-            pass  # `collect` tells whether the round failed
+        try:  # (if it times out, `collect` tells whether the round failed)
+            await _set_by(event, min(rnd.deadline, deadline))
         finally:
             cancel()
         if s.ended is not None:
@@ -449,17 +454,13 @@ class Summation:
         contest = s.contest
         event = asyncio.Event()
         contest.on_settled(event.set)
-        try:
-            await asyncio.wait_for(
-                event.wait(), max(0.0, deadline - time.monotonic())
-            )
-        except asyncio.TimeoutError:
+        if not await _set_by(event, deadline):
             raise _wire.Rejected(
                 "DEADLINE_EXCEEDED",
                 f"the sum of {h.name!r} round {h.round} is held back: rank "
                 f"{contest.rank} of {s.label()} is claimed by two processes "
                 f"({contest.hosts}) and the claim was not settled in time.",
-            ) from None
+            )
         if contest.why is not None:
             raise _wire.Rejected("FAILED_PRECONDITION", contest.why)
 
