@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import os
 import resource
 import socket
@@ -67,6 +68,47 @@ def children() -> Iterator[list[process.Child]]:
         yield started
     finally:
         process.stop_all(reversed(started))
+
+
+def jaxps_job(
+    argv: Sequence[str],
+    log_dir: str,
+    *,
+    servers: int = 1,
+    workers: int = 2,
+    env: dict[str, str] | None = None,
+    timeout: float = 900,
+) -> list[dict]:
+    """Runs `argv` as `workers` ranks of one job against `servers`
+    jaxps-servers on 127.0.0.1 (their JAXPS_* settings in the environment,
+    with `env`); returns each rank's ``RESULT {json}`` line, parsed."""
+    with children() as started:
+        ports = [free_port() for _ in range(servers)]
+        for i, port in enumerate(ports):
+            server = Child(
+                f"server{i}",
+                ["jaxps-server", "--port", str(port)]
+                + ["--num-workers", str(workers)],
+                log_dir,
+            )
+            started.append(server)
+            server.wait_for_line("jaxps-server listening", 60)
+        ranks = [
+            Child(
+                f"worker{rank}",
+                argv,
+                log_dir,
+                {
+                    "JAXPS_SERVERS": ",".join(f"{LOOPBACK}:{p}" for p in ports),
+                    "JAXPS_NUM_WORKERS": str(workers),
+                    "JAXPS_WORKER_RANK": str(rank),
+                    **(env or {}),
+                },
+            )
+            for rank in range(workers)
+        ]
+        started.extend(ranks)
+        return [json.loads(r.wait_for_line("RESULT ", timeout)) for r in ranks]
 
 
 def median(values: Sequence[float]) -> float:

@@ -71,39 +71,11 @@ def main(argv=None) -> int:
     if args.child:
         child(args)
         return 0
+    argv = [sys.executable, os.path.abspath(__file__), "--child"]
+    argv += ["--leaves", args.leaves, "--sizes-kib", args.sizes_kib]
+    argv += ["--repeats", str(args.repeats)]
     with tempfile.TemporaryDirectory(prefix="jaxps-leaves-") as tmp:
-        with _common.children() as started:
-            ports = [_common.free_port() for _ in range(2)]
-            for i, port in enumerate(ports):
-                server = _common.Child(
-                    f"server{i}",
-                    ["jaxps-server", "--port", str(port), "--num-workers", "2"],
-                    tmp,
-                )
-                started.append(server)
-                server.wait_for_line("jaxps-server listening", 60)
-            argv = [sys.executable, os.path.abspath(__file__), "--child"]
-            argv += ["--leaves", args.leaves, "--sizes-kib", args.sizes_kib]
-            argv += ["--repeats", str(args.repeats)]
-            servers = ",".join(f"{_common.LOOPBACK}:{p}" for p in ports)
-            ranks = [
-                _common.Child(
-                    f"worker{rank}",
-                    argv,
-                    tmp,
-                    {
-                        "XLA_FLAGS": "",
-                        "JAXPS_SERVERS": servers,
-                        "JAXPS_NUM_WORKERS": "2",
-                        "JAXPS_WORKER_RANK": str(rank),
-                    },
-                )
-                for rank in range(2)
-            ]
-            started.extend(ranks)
-            results = [
-                json.loads(r.wait_for_line("RESULT ", 900)) for r in ranks
-            ]
+        results = _common.jaxps_job(argv, tmp, servers=2, env={"XLA_FLAGS": ""})
     times = {
         key: max(r[key] for r in results) for key in results[0]
     }  # a call's time is the slower rank's

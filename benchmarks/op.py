@@ -60,37 +60,13 @@ def main(argv=None) -> int:
     if args.child:
         child(args)
         return 0
+    argv = [sys.executable, os.path.abspath(__file__), "--child"]
+    argv += ["--sizes-mb", args.sizes_mb]
+    argv += ["--repeats", str(args.repeats)]
     with tempfile.TemporaryDirectory(prefix="jaxps-op-") as tmp:
-        with _common.children() as started:
-            port = _common.free_port()
-            server = _common.Child(
-                "server",
-                ["jaxps-server", "--port", str(port), "--num-workers", "2"],
-                tmp,
-            )
-            started.append(server)
-            server.wait_for_line("jaxps-server listening", 60)
-            argv = [sys.executable, os.path.abspath(__file__), "--child"]
-            argv += ["--sizes-mb", args.sizes_mb]
-            argv += ["--repeats", str(args.repeats)]
-            ranks = [
-                _common.Child(
-                    f"worker{rank}",
-                    argv,
-                    tmp,
-                    {
-                        "XLA_FLAGS": "",
-                        "JAXPS_SERVERS": f"{_common.LOOPBACK}:{port}",
-                        "JAXPS_NUM_WORKERS": "2",
-                        "JAXPS_WORKER_RANK": str(rank),
-                    },
-                )
-                for rank in range(2)
-            ]
-            started.extend(ranks)
-            results = [
-                json.loads(r.wait_for_line("RESULT ", 600)) for r in ranks
-            ]
+        results = _common.jaxps_job(
+            argv, tmp, env={"XLA_FLAGS": ""}, timeout=600
+        )
     rows = [
         [mb, f"{t * 1e3:.1f}", f"{int(mb) * _common.MB / t / 1e9:.2f}"]
         for mb, t in results[0].items()
