@@ -74,6 +74,12 @@ __all__ = [
 ]
 
 
+#: Chunk errors no mismatch of the ranks' calls causes: a server gone or
+#: restarted. They end a call at once, without waiting for its call check
+#: (whose other ranks may never come: the same server failed them first).
+_LOST = (errors.ServerUnavailableError, errors.ServerRestartedError)
+
+
 class Handle:
     """The result of `Runtime.push_pull_async`; `wait()` returns the sums."""
 
@@ -135,7 +141,7 @@ class Handle:
         with self._lock:
             if self._error is None:
                 self._error = err
-            if self._checking:
+            if self._checking and not isinstance(self._error, _LOST):
                 return  # the check ends within its own deadline
         self._finish()
 
@@ -144,7 +150,7 @@ class Handle:
         which then wins over any chunk's error."""
         with self._lock:
             self._checking = False
-            if err is not None:
+            if err is not None and not isinstance(self._error, _LOST):
                 self._error = err
             self._pending -= 1
             end = self._error is not None or self._pending == 0
@@ -268,9 +274,12 @@ class Runtime:
         # one job incarnation, and a later init of the rank in a new one.
         init_id = secrets.token_hex(8)
 
-        def connect(address: str, session: str = "") -> ServerClient:
+        def connect(
+            address: str, session: str = "", wait: float | None = None
+        ) -> ServerClient:
             """A client of `address` after its hello; `session`: the job
-            incarnation to come back to (after a server restart)."""
+            incarnation to come back to (after a server restart); `wait`:
+            seconds to wait for the server (default: the timeout)."""
             client = ServerClient(
                 address,
                 max_message_bytes=max_message,
@@ -286,6 +295,7 @@ class Runtime:
                     num_workers=config.num_workers,
                     init_id=init_id,
                     generation=config.generation,
+                    wait=wait,
                 )
             except BaseException:
                 client.close()
@@ -341,9 +351,10 @@ class Runtime:
             ]
         self._sender = Sender(credit, min(8, senders_per_server * len(clients)))
 
-    def _reconnect(self, connect, transport) -> Transport:
-        """A new transport to `transport`'s server, in the same session."""
-        client = connect(transport.address, transport.client.session)
+    def _reconnect(self, connect, transport, wait: float) -> Transport:
+        """A new transport to `transport`'s server, in the same session,
+        waiting up to `wait` seconds for the server."""
+        client = connect(transport.address, transport.client.session, wait)
         return make_transport(client, self.config, self.timeline)
 
     def check_mode(self, names: Sequence[str], mode: str = "sync") -> None:

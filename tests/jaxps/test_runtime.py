@@ -465,3 +465,33 @@ def test_a_call_failed_on_one_rank_is_heard_by_the_others_at_once(
     finally:
         for rt in runtimes:
             rt.close()
+
+
+def test_a_lost_server_ends_a_call_without_waiting_for_its_check():
+    # While the call check is out, a chunk's error waits for it (a mismatch
+    # fails pieces too, and the check's error names it). A server gone is
+    # no mismatch: it ends the call at once, and a check that then times out
+    # (its other ranks failed on the same server) does not hide it.
+    def handle():
+        return runtime_module.Handle(
+            ["x"], [np.zeros(4)], [(4,)], 3, None, 5.0, checked=True
+        )
+
+    waits = handle()
+    waits.fail(errors.RequestRejectedError("length 4 against 8"))
+    assert not waits.done()
+    waits.check_ended(MismatchError("rank 1 calls x with float32[8]"))
+    assert waits.done()
+    with pytest.raises(MismatchError, match="rank 1"):
+        waits.wait(0)
+
+    for lost in (
+        errors.ServerUnavailableError("server a:1 did not come back"),
+        errors.ServerRestartedError("server a:1 restarted"),
+    ):
+        ends = handle()
+        ends.fail(lost)
+        assert ends.done()
+        ends.check_ended(errors.RoundTimeoutError("waiting for rank(s) [1]"))
+        with pytest.raises(type(lost), match="a:1"):
+            ends.wait(0)

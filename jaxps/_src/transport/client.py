@@ -183,9 +183,11 @@ class ServerClient:
         num_workers: int,
         init_id: str | None = None,
         generation: int = 0,
+        wait: float | None = None,
     ) -> str:
-        """Waits up to `timeout` for the server; checks job and size, and
-        joins a job incarnation; returns the server's incarnation.
+        """Waits up to `wait` (default: the timeout) for the server; checks
+        job and size, and joins a job incarnation; returns the server's
+        incarnation.
 
         `init_id` names the worker's init (the same for all its clients),
         so that the server tells its other channels from a new init of the
@@ -210,10 +212,11 @@ class ServerClient:
             timeout=self.timeout,
             generation=generation,
         )
+        wait = self.timeout if wait is None else wait
         try:
             reply = self._hello(
                 request,
-                timeout=self.timeout,
+                timeout=wait,
                 wait_for_ready=True,
                 metadata=self._metadata,
             )
@@ -224,7 +227,7 @@ class ServerClient:
             ):
                 raise errors.ServerUnavailableError(
                     f"server {self.address} did not answer within "
-                    f"{self.timeout:g} s (rank {rank}, job {job_id!r}): is "
+                    f"{wait:.3g} s (rank {rank}, job {job_id!r}): is "
                     "jaxps-server running there?"
                 ) from None
             raise self.translate(err, "hello") from None

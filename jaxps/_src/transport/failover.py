@@ -88,15 +88,16 @@ class RecoveringTransport(Transport):
 
     Args:
       first: the transport of the first connection.
-      reconnect: makes a new transport, after a fresh hello (raises a
-        `JaxpsError` while the server is not back).
+      reconnect: makes a new transport, after a fresh hello that waits up to
+        the seconds it is given (raises a `JaxpsError` while the server is
+        not back).
       window: seconds from a failure within which the server must be back.
     """
 
     def __init__(
         self,
         first: Transport,
-        reconnect: Callable[[], Transport],
+        reconnect: Callable[[float], Transport],
         window: float,
     ):
         super().__init__(first.client, first.timeline)
@@ -240,7 +241,8 @@ class RecoveringTransport(Transport):
             if self._closed:
                 raise err
             try:
-                inner = self._reconnect()
+                # within the window: a hello waits for the server to be back
+                inner = self._reconnect(max(0.1, deadline - time.monotonic()))
                 break
             except errors.JaxpsError as again:
                 last = again
