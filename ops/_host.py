@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import threading
 
 import numpy as np
 
-from jaxps._src import errors, state, timeline
+from jaxps._src import errors, plan, state, timeline
 
 _lock = threading.Lock()
 _tickets: dict[int, object] = {}
@@ -26,9 +27,12 @@ _next = itertools.count(1)
 TICKETS = 1 << 24
 
 
-#: Fuse on the CPU too (tests of the fused operands on a machine without
-#: an accelerator; there it costs a device-side copy and saves none).
-FUSE_ON_CPU = False
+#: On the CPU, the leaves of a dtype below this many bytes are fused (0:
+#: none are). Every operand and result of a host callback costs about as
+#: much as copying 256 KiB (marshalling, a NumPy array, the runtime's
+#: bookkeeping per tensor), while a fused small leaf costs a device-side
+#: copy in and out; a large leaf stays as it is (it crosses without a copy).
+CPU_FUSE_BYTES = 1 << 20
 
 #: Host copies `start` made (a test and the benchmarks read it).
 host_copies = 0
@@ -54,57 +58,130 @@ def _kept(array: np.ndarray, from_callback: bool) -> np.ndarray:
     return np.array(array, copy=True)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class FusedLayout:
-    """Where each leaf lies in the fused operands of its dtype.
+    """How the leaves of a push_pull cross to the host: per operand of the
+    callbacks, one leaf as it is, or several leaves of one dtype flattened
+    and concatenated (a *fused* operand, pushed as one tensor).
 
     Attributes:
-      groups: per fused operand, the indices of its leaves, in order.
+      names: per leaf, its name (without the device's shard suffix).
+      groups: per operand, the indices of its leaves, in order.
       shapes: per leaf, its shape.
+      dtypes: per leaf, its dtype.
     """
 
+    names: tuple[str, ...]
     groups: tuple[tuple[int, ...], ...]
     shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[np.dtype, ...]
+    # shard -> (operand names, call check), filled on first use
+    _at: dict = dataclasses.field(default_factory=dict, repr=False)
 
-    def split(self, fused) -> list[np.ndarray]:
-        """The leaves, as views of the fused operands."""
+    @property
+    def operand_shapes(self) -> list[tuple[tuple[int, ...], np.dtype]]:
+        """The (shape, dtype) of each operand (and of its sum)."""
+        return [
+            (
+                self.shapes[g[0]]
+                if len(g) == 1
+                else (sum(math.prod(self.shapes[i]) for i in g),),
+                self.dtypes[g[0]],
+            )
+            for g in self.groups
+        ]
+
+    def fuse(self, arrays) -> list:
+        """The operands of the leaves `arrays` (traced)."""
+        import jax.numpy as jnp  # the host side needs numpy only
+
+        return [
+            arrays[g[0]]
+            if len(g) == 1
+            else jnp.concatenate([jnp.ravel(arrays[i]) for i in g])
+            for g in self.groups
+        ]
+
+    def unfuse(self, operands) -> list:
+        """The leaves of the operands' sums (traced)."""
         leaves = [None] * len(self.shapes)
-        for group, buffer in zip(self.groups, fused):
+        for group, operand in zip(self.groups, operands):
             offset = 0
             for i in group:
-                size = int(np.prod(self.shapes[i], dtype=np.int64))
-                piece = buffer[offset : offset + size]
-                leaves[i] = piece.reshape(self.shapes[i])
+                size = math.prod(self.shapes[i])
+                if len(group) == 1:
+                    leaves[i] = operand
+                else:
+                    piece = operand[offset : offset + size]
+                    leaves[i] = piece.reshape(self.shapes[i])
                 offset += size
         return leaves
 
+    def priorities(self, priorities) -> tuple[int, ...]:
+        """Per operand, the highest priority of its leaves."""
+        return tuple(max(priorities[i] for i in g) for g in self.groups)
 
-def fuse(arrays, platforms):
-    """The callback operands of `arrays` (traced), and their layout.
+    def at(self, shard: int, call: str | None) -> tuple[list[str], object]:
+        """The operands' tensor names on device `shard`, and the call check
+        of the leaves (computed once per shard).
 
-    Off the CPU (`platforms` of the program) the arrays of each dtype are
-    concatenated on the device, one flat operand per dtype, first seen
-    first: JAX's GPU callback makes one device-to-host copy per operand,
-    so a bucket of many leaves crosses in a few copies. Returns those
-    operands and the `FusedLayout` that `start` splits them with; on the
-    CPU (unless `FUSE_ON_CPU`), `arrays` and None.
+        A fused operand is named after its first leaf and how many follow
+        (``"grads['a']:float32[3]+199"``). The check describes every leaf,
+        so ranks whose trees differ in any leaf are told which, even where
+        the fused operands are of one size.
+        """
+        found = self._at.get((shard, call))
+        if found is None:
+            leaf_names = shard_names(self.names, shard)
+            names = [
+                leaf_names[g[0]]
+                if len(g) == 1
+                else f"{leaf_names[g[0]]}+{len(g) - 1}"
+                for g in self.groups
+            ]
+            check = plan.call_check(
+                leaf_names,
+                self.shapes,
+                self.dtypes,
+                None if call is None else f"{call}@{shard}",
+            )
+            found = self._at[(shard, call)] = (names, check)
+        return found
+
+
+def layout_of(names, avals, platforms) -> FusedLayout | None:
+    """The `FusedLayout` of leaves named `names`, of shapes and dtypes
+    `avals` (arrays or `jax.ShapeDtypeStruct`s), in a program for
+    `platforms`; None where every leaf crosses as it is.
+
+    Off the CPU every dtype's leaves are fused, first seen first: JAX's GPU
+    callback makes one device-to-host copy per operand. On the CPU, the
+    leaves below `CPU_FUSE_BYTES` are (where a dtype has two of them).
+    The operands are ordered by their first leaf.
     """
-    if not FUSE_ON_CPU and tuple(platforms) == ("cpu",):
-        return list(arrays), None
-    import jax.numpy as jnp  # the host side needs numpy only
+    shapes = tuple(tuple(a.shape) for a in avals)
+    dtypes = tuple(np.dtype(a.dtype) for a in avals)
+    limit = CPU_FUSE_BYTES if tuple(platforms) == ("cpu",) else math.inf
+    small: dict = {}
+    for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
+        if math.prod(shape) * dtype.itemsize < limit:
+            small.setdefault(dtype, []).append(i)
+    everywhere = limit == math.inf
+    fused = [tuple(g) for g in small.values() if len(g) > 1 or everywhere]
+    if not fused:
+        return None
+    alone = set(range(len(shapes))).difference(*map(set, fused))
+    groups = sorted(fused + [(i,) for i in alone], key=lambda g: g[0])
+    return FusedLayout(tuple(names), tuple(groups), shapes, dtypes)
 
-    groups: dict = {}
-    for i, a in enumerate(arrays):
-        groups.setdefault(np.dtype(a.dtype), []).append(i)
-    layout = FusedLayout(
-        tuple(tuple(g) for g in groups.values()),
-        tuple(tuple(a.shape) for a in arrays),
-    )
-    operands = [
-        jnp.concatenate([jnp.ravel(arrays[i]) for i in group])
-        for group in layout.groups
-    ]
-    return operands, layout
+
+def fuse(arrays, platforms, names):
+    """The callback operands of `arrays` (traced), and their layout (None:
+    the operands are `arrays`); see `layout_of`."""
+    layout = layout_of(names, arrays, platforms)
+    if layout is None:
+        return list(arrays), None
+    return layout.fuse(arrays), layout
 
 
 def shard_names(names: tuple[str, ...], shard: int) -> list[str]:
@@ -128,23 +205,30 @@ def start(
     `mode` is the push_pull's (``"sync"`` or ``"async"``); the runtime
     checks it against the servers it is connected to now. `call` names the
     call's check (default: from `names`, see `plan.call_name`), before the
-    device's shard suffix. With a `layout`, `arrays` are the fused operands
-    of each dtype (see `fuse`); `from_callback` says they are a host
-    callback's operands (see `_kept`).
+    device's shard suffix. With a `layout`, `arrays` are its operands (see
+    `fuse`), each pushed as one tensor, and `done` returns their sums;
+    `from_callback` says they are a host callback's operands (see
+    `_kept`).
     """
     began = timeline.now()
     runtime = state.runtime()
     copies = [_kept(a, from_callback) for a in arrays]
-    if layout is not None:
-        copies = layout.split(copies)
+    shard = int(shard)
+    check = None
+    if layout is None:
+        wire_names = shard_names(names, shard)
+    else:
+        wire_names, check = layout.at(shard, call)
+        priorities = layout.priorities(priorities)
     handle = runtime.push_pull_async(
-        shard_names(names, int(shard)),
+        wire_names,
         copies,
         average=average,
         priorities=priorities,
         mode=mode,
-        call=None if call is None else f"{call}@{int(shard)}",
+        call=None if call is None else f"{call}@{shard}",
         donate=True,  # its own copies
+        check=check,
     )
     global _owner
     with _lock:

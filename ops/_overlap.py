@@ -77,7 +77,7 @@ def _tap_bwd(spec, _, cotangents):
         pushed = [local_piece(c, axis_name) for c in cotangents]
         # the runtime divides by the ranks that pushed; _collect by local
     # the program runs on the default backend: cross as its callbacks do
-    operands, layout = _host.fuse(pushed, (jax.default_backend(),))
+    operands, layout = _host.fuse(pushed, (jax.default_backend(),), names)
     ticket = _callback.call(
         jit_errors.in_callback(
             functools.partial(
@@ -307,7 +307,9 @@ def value_and_grad(
         value, (grads, tickets) = jax.value_and_grad(
             tapped, argnums=(0, 1), has_aux=has_aux
         )(target, slots, *rest)
-        return value, _collect(grads, tickets, buckets, average, axis_name)
+        return value, _collect(
+            grads, tickets, specs, buckets, average, axis_name
+        )
 
     return wrapped
 
@@ -348,7 +350,7 @@ def _specs(tree, base, priorities, order):
     return specs
 
 
-def _collect(grads, tickets, buckets, average, axis_name):
+def _collect(grads, tickets, specs, buckets, average, axis_name):
     """The summed gradients, from one done callback for all the buckets.
 
     One callback that takes every ticket cannot run before the last start:
@@ -357,25 +359,40 @@ def _collect(grads, tickets, buckets, average, axis_name):
     dones could hold every thread of the CPU runtime).
     """
     leaves, treedef = jax.tree.flatten(grads)
-    pushed = []
+    if not buckets:
+        return grads
+    # per bucket: the shapes its start pushed, and their operands (as
+    # `_tap_bwd` made them: one per dtype where the leaves were fused)
+    layouts, results = [], []
     for bucket in buckets:
+        pushed = []
         for i in bucket:
             shape = leaves[i].shape
             if axis_name is not None:
                 local = lax.axis_size(axis_name)
                 shape = (_padded(leaves[i], local).size // local,)
             pushed.append(jax.ShapeDtypeStruct(shape, leaves[i].dtype))
-    if not buckets:
-        return grads
+        layout = _host.layout_of(
+            [specs[i][0] for i in bucket], pushed, (jax.default_backend(),)
+        )
+        layouts.append(layout)
+        results += (
+            pushed
+            if layout is None
+            else [jax.ShapeDtypeStruct(*o) for o in layout.operand_shapes]
+        )
     sums = iter(
         _callback.call(
-            jit_errors.in_callback(_done_all), tuple(pushed), *tickets
+            jit_errors.in_callback(_done_all), tuple(results), *tickets
         )
     )
     outs = list(leaves)  # empty leaves stay as they are
-    for bucket in buckets:
-        for i in bucket:
-            out = next(sums)
+    for bucket, layout in zip(buckets, layouts):
+        if layout is None:
+            mine = [next(sums) for _ in bucket]
+        else:
+            mine = layout.unfuse([next(sums) for _ in layout.groups])
+        for i, out in zip(bucket, mine):
             if axis_name is not None:
                 if average:
                     out = out / jnp.asarray(local, out.dtype)
@@ -425,4 +442,4 @@ def _module_value_and_grad(
     value, (grads, tickets) = nnx.value_and_grad(
         tapped, argnums=(0, 1), has_aux=has_aux
     )(module, slots)
-    return value, _collect(grads, tickets, buckets, average, axis_name)
+    return value, _collect(grads, tickets, specs, buckets, average, axis_name)

@@ -81,7 +81,7 @@ def _impl(*args, names, average, priorities, mode):
 
 def _callbacks(*args, names, average, priorities, mode, platforms):
     *arrays, shard = args
-    operands, layout = _host.fuse(arrays, platforms)
+    operands, layout = _host.fuse(arrays, platforms, names)
     ticket = _callback.call(
         jit_errors.in_callback(
             functools.partial(
@@ -98,10 +98,9 @@ def _callbacks(*args, names, average, priorities, mode, platforms):
         shard,
         *operands,
     )
-    results = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
-    return list(
-        _callback.call(jit_errors.in_callback(_host.done), results, ticket)
-    )
+    results = tuple(jax.ShapeDtypeStruct(o.shape, o.dtype) for o in operands)
+    sums = _callback.call(jit_errors.in_callback(_host.done), results, ticket)
+    return list(sums) if layout is None else layout.unfuse(sums)
 
 
 def _suffixed(names, suffix):

@@ -176,7 +176,7 @@ def test_a_healthy_server_keeps_its_pace_while_another_recovers(
 
     def server_of(name):
         (piece,) = rt._plan([name], [x], (0,))
-        check = plan.call_check([name], [x]).server(2)
+        check = plan.call_check([name], [x.shape], [x.dtype]).server(2)
         return piece.server if piece.server == check else None
 
     names = [f"t{i}" for i in range(400)]

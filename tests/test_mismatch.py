@@ -36,6 +36,8 @@ WORKER = textwrap.dedent(
             if r == 0
             else {"w": jnp.ones((3, 4)), "b": jnp.ones(4), "c": jnp.ones(2)}
         ),
+        # under jit small leaves cross fused: of one size on both ranks
+        "transposed": {"a": jnp.ones([(2, 3), (3, 2)][r]), "b": jnp.ones(4)},
     }
     # a matching call first: the check passes, and keys are warm
     out = jaxps.push_pull({"w": jnp.full(3, r + 1.0)}, name="fine")
@@ -53,14 +55,19 @@ WORKER = textwrap.dedent(
             )
     # under jit, caught by its own type (jaxps.errors.typed)
     import jax
-    step = jax.jit(lambda t: jaxps.push_pull(t, name="jitted"))
-    began = time.monotonic()
-    try:
-        with errors.typed():
-            jax.block_until_ready(step(CASES["shape"]))
-        print("NOERROR jitted", flush=True)
-    except errors.MismatchError as err:
-        print("JITTED", round(time.monotonic() - began, 3), flush=True)
+    for case in ("shape", "transposed"):
+        step = jax.jit(lambda t: jaxps.push_pull(t, name="jitted" + case))
+        began = time.monotonic()
+        try:
+            with errors.typed():
+                jax.block_until_ready(step(CASES[case]))
+            print("NOERROR jitted", case, flush=True)
+        except errors.MismatchError as err:
+            text = str(err).replace(chr(10), " ")
+            print(
+                "JITTED", case, round(time.monotonic() - began, 3), text,
+                flush=True,
+            )
     # a matching numpy call after the mismatches still works
     x = jaxps.push_pull_numpy("after", np.full(5, r, np.float32))
     np.testing.assert_allclose(x, 0.5)
@@ -75,7 +82,16 @@ EXPECTED = {
         "['b'] float32[4], ['w'] float32[3, 4]",
         "['b'] float32[4], ['c'] float32[2], ['w'] float32[3, 4]",
     ),
+    "transposed": (
+        "['a'] float32[2, 3], ['b'] float32[4]",
+        "['a'] float32[3, 2], ['b'] float32[4]",
+    ),
 }
+
+
+def _pushed(text):
+    """Each rank's tree, as a mismatch names it."""
+    return dict(re.findall(r"rank (\d) pushed \[(.*?)\](?: but|;)", text))
 
 
 @pytest.mark.timeout(120)
@@ -105,12 +121,16 @@ def test_mismatch_is_named_at_once(
                 _, case, seconds, kind, text = line.split(" ", 4)
                 cases[case] = (float(seconds), kind, text)
         assert set(cases) == set(EXPECTED), out
-        (jitted,) = [x for x in out.splitlines() if x.startswith("JITTED ")]
-        assert float(jitted.split()[1]) < 2.0, jitted  # with compilation
+        jitted = [x for x in out.splitlines() if x.startswith("JITTED ")]
+        assert len(jitted) == 2, out
+        for line in jitted:
+            _, case, seconds, text = line.split(" ", 3)
+            assert float(seconds) < 2.0, line  # with compilation
+            mine, theirs = EXPECTED[case]
+            assert _pushed(text) == {"0": mine, "1": theirs}, text
         for case, (seconds, kind, text) in cases.items():
             assert seconds < 2.0, (case, seconds, text)
             assert kind == "MismatchError", (case, kind, text)
             assert "push_pull mismatch" in text, text
             mine, theirs = EXPECTED[case]
-            ranks = re.findall(r"rank (\d) pushed \[(.*?)\](?: but|;)", text)
-            assert dict(ranks) == {"0": mine, "1": theirs}, text
+            assert _pushed(text) == {"0": mine, "1": theirs}, text

@@ -330,20 +330,24 @@ def call_name(names: Sequence[str]) -> str:
 
 
 def call_check(
-    names: Sequence[str], arrays: Sequence[np.ndarray], call: str | None = None
+    names: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    dtypes: Sequence,
+    call: str | None = None,
 ) -> CallCheck:
-    """The call check of a push_pull of `arrays` named `names`.
+    """The call check of a push_pull of tensors named `names`.
 
     Args:
       names: the tensors' names (every leaf, empty ones too).
-      arrays: the tensors.
+      shapes: the tensors' shapes.
+      dtypes: the tensors' dtypes.
       call: the call's name; default `call_name(names)`.
     """
     call = call_name(names) if call is None else call
     items = []
     digest = hashlib.blake2b(digest_size=8)
-    for name, array in zip(names, arrays):
-        shape, dtype = tuple(np.shape(array)), np.dtype(array.dtype)
+    for name, shape, dtype in zip(names, shapes, dtypes):
+        shape, dtype = tuple(shape), np.dtype(dtype)
         digest.update(f"{name}\0{shape}\0{dtype.str}\0".encode())
         _, leaf, _ = _split_leaf(name)
         if leaf:  # the ops layer's path and :dtype[shape] of the leaf

@@ -410,6 +410,7 @@ class Runtime:
         mode: str = "sync",
         call: str | None = None,
         donate: bool = False,
+        check: plan.CallCheck | None = None,
     ) -> Handle:
         """Starts summing `arrays` over all workers; returns a `Handle`.
 
@@ -435,6 +436,9 @@ class Runtime:
           donate: the caller never writes to `arrays` again, so the
             runtime may keep them (for a re-push after a server restart)
             instead of a copy.
+          check: the call check, where the caller made it (the ops layer
+            pushes several leaves fused into one array, and checks the
+            leaves); default: of `names` and `arrays`, with `call`.
         """
         if len(names) != len(arrays):
             raise ValueError(
@@ -467,9 +471,10 @@ class Runtime:
             )
         if priorities is None:
             priorities = [-i for i in range(len(names))]
-        check = None
-        if self.size > 1 and not self.async_servers:
-            check = self._call_check(names, arrays, flats, shapes, call)
+        if self.size == 1 or self.async_servers:
+            check = None
+        elif check is None:
+            check = self._call_check(names, flats, shapes, call)
         live_flats = [flats[i] for i in live]
         wire_names = self._begin(names, [names[i] for i in live], live_flats)
         try:
@@ -608,14 +613,14 @@ class Runtime:
             [name], [array], average=average, mode=mode
         ).wait()[0]
 
-    def _call_check(self, names, arrays, flats, shapes, call) -> plan.CallCheck:
+    def _call_check(self, names, flats, shapes, call) -> plan.CallCheck:
         """`plan.call_check` of a call, computed once per signature."""
         sig = (tuple(names), tuple(shapes), tuple(f.dtype for f in flats), call)
         check = self._checks.get(sig)
         if check is None:
             if len(self._checks) >= MAX_CACHED_CHECKS:
                 self._checks.clear()
-            check = plan.call_check(names, arrays, call)
+            check = plan.call_check(names, shapes, sig[2], call)
             self._checks[sig] = check
         return check
 

@@ -502,10 +502,13 @@ def check_broadcast_and_batch_stats():
             )
 
 
+default_fuse = _host.CPU_FUSE_BYTES
+
+
 def _crossing_run(fused, params, x, loss):
     """Two counted steps of DistributedOptimizer; the parameters after."""
     devices = jax.device_count()
-    _host.FUSE_ON_CPU = fused
+    _host.CPU_FUSE_BYTES = default_fuse if fused else 0
     tx = jaxps.DistributedOptimizer(optax.sgd(0.1), name=f"c{fused}")
 
     @jax.jit
@@ -555,10 +558,13 @@ def check_crossings():
             for w in params.values()
         )
 
-    results = {
-        fused: _crossing_run(fused, placed, x, loss) for fused in (False, True)
-    }
-    _host.FUSE_ON_CPU = False
+    try:
+        results = {
+            fused: _crossing_run(fused, placed, x, loss)
+            for fused in (False, True)
+        }
+    finally:
+        _host.CPU_FUSE_BYTES = default_fuse
     for key in params:
         a, b = np.asarray(results[False][key]), np.asarray(results[True][key])
         assert a.tobytes() == b.tobytes(), key
