@@ -22,7 +22,10 @@ links to a bridge in a hub namespace; both ends of every link are shaped to
   namespaces; run once per n;
 * plain PS: jaxps with the k CPU servers only, no colocated servers;
 * with ``--tls``: jaxps mixed mode again with every server on TLS (the data
-  channel too; a self-signed certificate for the run), against plaintext.
+  channel too; a self-signed certificate for the run), against plaintext;
+* with ``--defaults``: jaxps mixed mode again with the library's own
+  defaults (``partition_bytes="auto"``: no partition or credit set),
+  against the hand-tuned partition of the main row.
 
 jaxps mixed mode runs k CPU servers (``python -m jaxps.servers``) in the
 server namespaces and one colocated server in each worker namespace. With
@@ -118,9 +121,21 @@ def child_jaxps(args) -> int:
                     f"rank {rank} repetition {rep}: {bad} of {y.size} "
                     f"elements differ from {expected}"
                 )
+        from jaxps._src import state
+
+        partition = state.runtime().partition_bytes
+        tuned = state.runtime().tuned
     finally:
         jaxps.shutdown()
-    report({"rank": rank, "starts": starts, "ends": ends})
+    report(
+        {
+            "rank": rank,
+            "starts": starts,
+            "ends": ends,
+            "partition": partition,
+            "tuned": tuned and tuned._asdict(),
+        }
+    )
     return 0
 
 
@@ -345,11 +360,20 @@ class Bench:
             sink.stop()
         return results([sink])[0]["mbit"]
 
-    def jaxps(self, n: int, k: int, colocated: bool, tls: bool = False) -> dict:
+    def jaxps(
+        self,
+        n: int,
+        k: int,
+        colocated: bool,
+        tls: bool = False,
+        defaults: bool = False,
+    ) -> dict:
         """One jaxps run: k CPU servers (+ n colocated), n workers; `tls`:
-        every server and worker on TLS (`self.tls`: certificate, key)."""
+        every server and worker on TLS (`self.tls`: certificate, key);
+        `defaults`: jaxps' own partition and credit, not the bench's."""
         label = f"{'mixed' if colocated else 'plain'}-{n}-{k}"
         label += "-tls" if tls else ""
+        label += "-defaults" if defaults else ""
         tls_flags: tuple[str, ...] = ()
         if tls:
             tls_flags = ("--tls-cert", self.tls[0], "--tls-key", self.tls[1])
@@ -399,9 +423,17 @@ class Bench:
                         "JAXPS_WORKER_RANK": str(rank),
                         "JAXPS_TIMEOUT": str(JAXPS_TIMEOUT),
                         "JAXPS_JOB_ID": label,
-                        "JAXPS_PARTITION_BYTES": str(self.args.partition_bytes),
                         "JAXPS_TRANSPORT": self.args.transport,
                         **({"JAXPS_TLS_CA": self.tls[0]} if tls else {}),
+                        **(
+                            {}
+                            if defaults
+                            else {
+                                "JAXPS_PARTITION_BYTES": str(
+                                    self.args.partition_bytes
+                                )
+                            }
+                        ),
                     }
                 )
                 argv = child_argv(
@@ -411,7 +443,7 @@ class Bench:
                     "--repeats",
                     str(self.args.repeats),
                     "--credit-bytes",
-                    str(self.args.credit_bytes),
+                    str(0 if defaults else self.args.credit_bytes),
                 )
                 workers.append(
                     Proc(
@@ -812,6 +844,12 @@ def parse_args(argv):
         help="also run mixed mode with TLS everywhere, against plaintext",
     )
     p.add_argument(
+        "--defaults",
+        action="store_true",
+        help="also run mixed mode with jaxps' own defaults (partition "
+        "'auto'), against the hand-tuned partition",
+    )
+    p.add_argument(
         "--keep-logs",
         action="store_true",
         help="keep the children's logs (kept anyway on failure)",
@@ -924,6 +962,12 @@ def main(argv=None) -> int:
                 log(f"jaxps mixed mode with TLS, n={n} k={k} ...")
                 rows[(n, k)]["tls"] = bench.jaxps(n, k, True, tls=True)
                 log(f"  {_times(rows[(n, k)]['tls'])}")
+            if args.defaults:
+                log(f"jaxps mixed mode with its defaults, n={n} k={k} ...")
+                rows[(n, k)]["defaults"] = bench.jaxps(
+                    n, k, True, defaults=True
+                )
+                log(f"  {_times(rows[(n, k)]['defaults'])}")
         print_report(args, cluster, goodput, rows, ring, cpu)
         if args.tls:
             print("\nTLS everywhere (data channel on TLS) against plaintext, ")
@@ -934,6 +978,21 @@ def main(argv=None) -> int:
                 print(
                     f"  ({n},{k}): plaintext {plain:.2f} s, TLS {tls:.2f} s, "
                     f"TLS/plaintext {tls / plain:.2f}"
+                )
+        if args.defaults:
+            print("\njaxps' own defaults (partition_bytes='auto', its credit)")
+            print("against the hand-tuned partition, mixed mode, in the same")
+            print("run (median slowest worker):")
+            for (n, k), row in rows.items():
+                tuned = statistics.median(row["mixed"]["times"])
+                own = statistics.median(row["defaults"]["times"])
+                workers = row["defaults"]["workers"]
+                chosen = {w["partition"] for w in workers}
+                log(f"  ({n},{k}) measured: {workers[0]['tuned']}")
+                print(
+                    f"  ({n},{k}): {args.partition_bytes} B {tuned:.2f} s, "
+                    f"defaults ({'/'.join(map(str, sorted(chosen)))} B "
+                    f"chosen) {own:.2f} s, defaults/tuned {own / tuned:.2f}"
                 )
         log(f"total {time.monotonic() - cpu.wall:.0f} s")
         ok = True

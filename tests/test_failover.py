@@ -175,7 +175,7 @@ def test_a_healthy_server_keeps_its_pace_while_another_recovers(
     x = np.ones(256 * 1024, np.float32)  # 1 MiB: one piece
 
     def server_of(name):
-        (piece,) = rt._plan([name], [x], (0,))
+        (piece,) = rt._plan([name], [x], (0,), rt.partition_bytes)
         check = plan.call_check([name], [x.shape], [x.dtype]).server(2)
         return piece.server if piece.server == check else None
 

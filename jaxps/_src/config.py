@@ -17,7 +17,11 @@ from typing import Any
 
 from jaxps._src import errors
 
+#: The largest partition `partition_bytes="auto"` chooses, and the one a
+#: worker starts with until it has chosen.
 DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024
+#: The `Config.partition_bytes` that lets the workers choose (`tuning`).
+AUTO = "auto"
 
 #: Field name -> cluster variable read when the JAXPS_* one is not set.
 CLUSTER_ENV = {
@@ -67,12 +71,16 @@ class Config:
       num_workers: number of worker processes in the job.
       worker_rank: this worker's rank in ``[0, num_workers)``.
       job_id: a name shared by the job's workers and servers.
-      partition_bytes: tensors are cut into chunks of at most this many bytes.
+      partition_bytes: tensors are cut into chunks of at most this many
+        bytes. ``"auto"`` (the default): about 2 ms of the link rate that
+        the workers measure together at init (within 16 KiB and 4 MiB; the
+        same on every rank), see `jaxps._src.tuning`.
       timeout: seconds any wait may take (connect, a round, a pull) before it
         fails naming what it waited for.
       credit_bytes: bytes being pushed at once, to all servers together;
         chunks take credit in priority order. ``None``: 4 partitions
-        (`CREDIT_PARTITIONS` x `partition_bytes`).
+        (`CREDIT_PARTITIONS` x `partition_bytes`; with ``"auto"``, of the
+        partition chosen).
       token: shared secret sent with every call (servers run with --token).
       tls_ca: PEM file of the CA that signed the servers' certificates;
         setting it makes the worker connect over TLS.
@@ -103,7 +111,7 @@ class Config:
     num_workers: int = 1
     worker_rank: int = 0
     job_id: str = "jaxps"
-    partition_bytes: int = DEFAULT_PARTITION_BYTES
+    partition_bytes: int | str = AUTO
     timeout: float = 60.0
     credit_bytes: int | None = None
     token: str | None = dataclasses.field(default=None, repr=False)
@@ -125,11 +133,16 @@ class Config:
                 f"Got worker_rank={self.worker_rank}."
             )
         _check_int("generation", self.generation, low=0)
-        _check_int("partition_bytes", self.partition_bytes, low=8)
-        if self.credit_bytes is None:
-            credit = CREDIT_PARTITIONS * self.partition_bytes
-            object.__setattr__(self, "credit_bytes", credit)
-        _check_int("credit_bytes", self.credit_bytes, low=1)
+        if self.partition_bytes != AUTO:
+            try:
+                _check_int("partition_bytes", self.partition_bytes, low=8)
+            except errors.ConfigError as err:
+                raise errors.ConfigError(f'{err} (or "auto")') from None
+            if self.credit_bytes is None:
+                credit = CREDIT_PARTITIONS * self.partition_bytes
+                object.__setattr__(self, "credit_bytes", credit)
+        if self.credit_bytes is not None:
+            _check_int("credit_bytes", self.credit_bytes, low=1)
         _check_int("shm_bytes", self.shm_bytes, low=0)
         if self.transport not in TRANSPORTS:
             raise errors.ConfigError(
@@ -182,6 +195,14 @@ class Config:
                 "pass servers=['host:port', ...] or set JAXPS_SERVERS (or "
                 "start the job with jaxps-launch)."
             )
+
+    @property
+    def largest_partition(self) -> int:
+        """The most bytes a chunk may have: `partition_bytes`, or with
+        ``"auto"`` the largest it may choose."""
+        if self.partition_bytes == AUTO:
+            return DEFAULT_PARTITION_BYTES
+        return self.partition_bytes
 
     @classmethod
     def from_env(
@@ -248,13 +269,16 @@ def _parse(name: str, text: str) -> Any:
         "transport",
     ):
         return text
+    if name == "partition_bytes" and text.strip() == AUTO:
+        return AUTO
     try:
         if name in ("timeout", "recovery_window"):
             return float(text)
         return int(text)
     except ValueError:
+        also = " or auto" if name == "partition_bytes" else ""
         raise errors.ConfigError(
-            f"{var} must be a number. Got {var}={text!r}."
+            f"{var} must be a number{also}. Got {var}={text!r}."
         ) from None
 
 

@@ -39,9 +39,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxps._src import errors, plan, topology
+from jaxps._src import errors, plan, topology, tuning
 from jaxps._src import timeline as _timeline
-from jaxps._src.config import Config
+from jaxps._src.config import AUTO, CREDIT_PARTITIONS, Config
 from jaxps._src.sender import Sender
 from jaxps._src.transport import shm
 from jaxps._src.transport.base import (
@@ -268,7 +268,7 @@ class Runtime:
         self.hosts = topology.host_index(
             config.servers, config.colocated_servers
         )
-        max_message = config.partition_bytes + _wire.MESSAGE_OVERHEAD
+        max_message = config.largest_partition + _wire.MESSAGE_OVERHEAD
         credentials = channel_credentials(config)
         # One id for this init: the servers put this worker's channels in
         # one job incarnation, and a later init of the rank in a new one.
@@ -323,7 +323,17 @@ class Runtime:
             )
         #: whether the servers hold parameters (async mode)
         self.async_servers = modes == {True}
-        credit = max(config.credit_bytes, config.partition_bytes)
+        #: the partition planned with (`partition_bytes="auto"`: the
+        #: largest until the ranks have chosen, see `_tune`)
+        self.partition_bytes = config.largest_partition
+        #: what the ranks chose with "auto" (a `tuning.Tuned`), else None
+        self.tuned: tuning.Tuned | None = None
+        self._tuned = threading.Event()
+        self._tune_error: BaseException | None = None
+        credit = max(
+            config.credit_bytes or CREDIT_PARTITIONS * self.partition_bytes,
+            self.partition_bytes,
+        )
         self.timeline = None
         if config.trace_dir:
             self.timeline = _timeline.Timeline(
@@ -350,6 +360,88 @@ class Runtime:
                 for t in self._transports
             ]
         self._sender = Sender(credit, min(8, senders_per_server * len(clients)))
+        if (
+            config.partition_bytes == AUTO
+            and self.size > 1
+            and not self.async_servers
+            and (tuning.ON_ONE_HOST or not all(map(shm.is_local, addresses)))
+        ):
+            threading.Thread(
+                target=self._tune, name="jaxps-tune", daemon=True
+            ).start()
+        else:
+            self._tuned.set()
+
+    def _tune(self) -> None:
+        """Measures the links with the other ranks and sets the partition
+        (`tuning`); the first push_pull waits for it."""
+        began = _timeline.now()
+
+        def push_pull(name, array, partition):
+            handle = self._push_pull_async(
+                [name], [array], average=False, partition=partition
+            )
+            return handle.wait()[0]
+
+        try:
+            tuned = tuning.measure(
+                push_pull,
+                len(self._transports) // self._channels,
+                self.rank,
+                self.size,
+            )
+        except BaseException as err:  # noqa: BLE001 - the first call raises it
+            self._tune_error = err
+            self._tuned.set()
+            return
+        self.partition_bytes = tuned.partition_bytes
+        credit = self.config.credit_bytes or (
+            CREDIT_PARTITIONS * tuned.partition_bytes
+        )
+        self._sender.set_credit(max(credit, tuned.partition_bytes))
+        self.tuned = tuned
+        self._tuned.set()
+        log.info(
+            "jaxps: partition_bytes=auto chose %d bytes, credit %d bytes "
+            "(%.3g MB/s per rank; tried %s; in %.2f s)",
+            tuned.partition_bytes,
+            self._sender.credit,
+            tuned.rate / 1e6,
+            ", ".join(f"{p} B {t * 1e3:.1f} ms" for p, t in tuned.candidates),
+            tuned.seconds,
+        )
+        if self.timeline is not None:
+            self.timeline.span(
+                "tune",
+                "runtime",
+                began,
+                _timeline.now(),
+                partition_bytes=tuned.partition_bytes,
+                credit_bytes=self._sender.credit,
+                rate=tuned.rate,
+                candidates=[list(c) for c in tuned.candidates],
+            )
+
+    def _wait_tuned(self) -> None:
+        """Waits for `_tune` (each of its push_pulls has a deadline);
+        raises its error."""
+        bound = tuning.CALLS
+        if not self._tuned.wait(bound * pull_deadline(self.config.timeout)):
+            raise errors.RoundTimeoutError(
+                "partition_bytes='auto': measuring the links with the other "
+                "ranks did not end in time."
+            )
+        err = self._tune_error
+        if err is not None:
+            text = (
+                "partition_bytes='auto': measuring the links with the other "
+                f"ranks after init failed: {err}"
+            )
+            try:
+                raised = type(err)(text)
+            except Exception:  # noqa: BLE001 - an error without a message
+                raised = errors.JaxpsError(text)
+            raise raised from err
 
     def _reconnect(self, connect, transport, wait: float) -> Transport:
         """A new transport to `transport`'s server, in the same session,
@@ -440,6 +532,35 @@ class Runtime:
             pushes several leaves fused into one array, and checks the
             leaves); default: of `names` and `arrays`, with `call`.
         """
+        if not self._tuned.is_set() or self._tune_error is not None:
+            self._wait_tuned()
+        return self._push_pull_async(
+            names,
+            arrays,
+            average=average,
+            priorities=priorities,
+            mode=mode,
+            call=call,
+            donate=donate,
+            check=check,
+            partition=self.partition_bytes,
+        )
+
+    def _push_pull_async(
+        self,
+        names: Sequence[str],
+        arrays: Sequence[np.ndarray],
+        *,
+        partition: int,
+        average: bool = True,
+        priorities: Sequence[int] | None = None,
+        mode: str = "sync",
+        call: str | None = None,
+        donate: bool = False,
+        check: plan.CallCheck | None = None,
+    ) -> Handle:
+        """`push_pull_async`, planned with `partition` bytes (and not
+        waiting for `_tune`)."""
         if len(names) != len(arrays):
             raise ValueError(
                 f"got {len(names)} names for {len(arrays)} arrays."
@@ -479,7 +600,10 @@ class Runtime:
         wire_names = self._begin(names, [names[i] for i in live], live_flats)
         try:
             pieces = self._plan(
-                wire_names, live_flats, tuple(priorities[i] for i in live)
+                wire_names,
+                live_flats,
+                tuple(priorities[i] for i in live),
+                partition,
             )
             laid_out, live_outs = plan.buffers(
                 pieces, live_flats, self._outputs
@@ -624,10 +748,11 @@ class Runtime:
             self._checks[sig] = check
         return check
 
-    def _plan(self, names, flats, priorities):
+    def _plan(self, names, flats, priorities, partition):
         sig = (
             tuple((n, f.size, f.dtype.str) for n, f in zip(names, flats)),
             priorities,
+            partition,
         )
         pieces = self._plans.get(sig)
         if pieces is None:
@@ -637,7 +762,7 @@ class Runtime:
                 [f.dtype.str for f in flats],
                 [f.itemsize for f in flats],
                 list(priorities),
-                partition_bytes=self.config.partition_bytes,
+                partition_bytes=partition,
                 weights=self.weights,
                 hosts=self.hosts,
             )
@@ -764,7 +889,7 @@ def make_transport(
     local = shm.is_local(client.address)
     if transport in ("auto", "shm") and config.shm_bytes > 0 and local:
         pool = shm.SlotPool(
-            client.attach, config.partition_bytes, config.shm_bytes
+            client.attach, config.largest_partition, config.shm_bytes
         )
         if pool.enabled:
             small = None

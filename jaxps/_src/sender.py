@@ -84,6 +84,12 @@ class Sender:
         for t in self.threads:
             t.start()
 
+    def set_credit(self, credit: int) -> None:
+        """Changes the credit (for the chunks that take credit from now)."""
+        with self._cv:
+            self.credit = credit
+            self._cv.notify_all()
+
     def put(self, order: tuple, chunk: Chunk) -> None:
         """Queues `chunk`; the smallest `order` goes out first."""
         self._queue.put((*order, chunk))

@@ -8,8 +8,13 @@ from jaxps import Config, errors
 def test_defaults():
     cfg = Config()
     assert cfg.servers == () and cfg.num_workers == 1
-    assert cfg.partition_bytes == 4 * 1024 * 1024
-    assert cfg.credit_bytes == 4 * cfg.partition_bytes
+    # chosen by the ranks at init (jaxps._src.tuning), and the credit with it
+    assert cfg.partition_bytes == "auto" and cfg.credit_bytes is None
+    assert cfg.largest_partition == 4 * 1024 * 1024
+    env = {"JAXPS_PARTITION_BYTES": "auto", "JAXPS_CREDIT_BYTES": "5000"}
+    cfg = Config.from_env(env)
+    assert cfg.partition_bytes == "auto" and cfg.credit_bytes == 5000
+    assert Config.from_env(env, partition_bytes=4096).partition_bytes == 4096
 
 
 def test_credit_follows_the_partition_unless_given():
@@ -54,7 +59,7 @@ def test_environment_and_precedence():
         (dict(servers=("nohost",)), "server address must be host:port"),
         (dict(servers=("a:1", "a:1"), num_workers=2), "lists an address twice"),
         (dict(num_workers=2), "needs summation servers"),
-        (dict(partition_bytes="4"), "partition_bytes must be an int"),
+        (dict(partition_bytes="4"), 'partition_bytes must be an int.*"auto"'),
         (dict(job_id=""), "job_id must be a non-empty string"),
     ],
 )

@@ -1,0 +1,129 @@
+"""partition_bytes="auto": the ranks measure together at init and plan with
+one partition; real servers, workers in threads."""
+
+import concurrent.futures
+import json
+import math
+import time
+
+import numpy as np
+import pytest
+
+from jaxps._src import errors, tuning
+from jaxps._src.config import Config
+from jaxps._src.runtime import Runtime
+
+
+def runtimes(servers, n=2, **kw):
+    """`n` workers of one job, initialized at once; the caller closes."""
+
+    def start(rank):
+        return Runtime(
+            Config(
+                servers=tuple(s.address for s in servers),
+                num_workers=n,
+                worker_rank=rank,
+                **kw,
+            )
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        return list(pool.map(start, range(n)))
+
+
+def exact_sums(rts, size=300_000):
+    x = np.arange(size, dtype=np.float32) % 997
+    handles = [
+        rt.push_pull_async(["g"], [x * (r + 1)], average=False)
+        for r, rt in enumerate(rts)
+    ]
+    total = sum(range(1, len(rts) + 1))
+    for handle in handles:
+        np.testing.assert_array_equal(handle.wait(30)[0], total * x)
+
+
+def test_candidates_and_choice():
+    # 2, 4 and 8 ms of the rate, in bounds, a multiple of the grain
+    assert tuning.candidates(12.5e6) == [24576, 49152, 98304]
+    assert tuning.candidates(1e3) == [tuning.MIN_PARTITION]
+    assert tuning.candidates(1e12) == [tuning.MAX_PARTITION]
+    assert tuning.candidates(math.inf) == [tuning.MAX_PARTITION]
+    # the fastest, or a larger one within 3% of it
+    assert tuning.choose({16384: 1.0, 32768: 1.2, 65536: 2.0}) == 16384
+    assert tuning.choose({16384: 1.0, 32768: 1.02, 65536: 1.5}) == 32768
+
+
+@pytest.mark.timeout(60)
+def test_ranks_agree_on_one_partition(start_servers, monkeypatch, tmp_path):
+    monkeypatch.setattr(tuning, "ON_ONE_HOST", True)  # measure on loopback
+    servers = start_servers(2, 2)
+    rts = runtimes(servers, trace_dir=str(tmp_path))
+    try:
+        exact_sums(rts)  # waits for the measurement; planned with its result
+        chosen = {rt.partition_bytes for rt in rts}
+        assert len(chosen) == 1, chosen
+        (partition,) = chosen
+        assert tuning.MIN_PARTITION <= partition <= tuning.MAX_PARTITION
+        assert partition % tuning.GRAIN == 0
+        for rt in rts:
+            assert rt.tuned.partition_bytes == partition
+            assert rt.tuned.rate > 0
+            tried = [p for p, _ in rt.tuned.candidates]
+            assert partition in tried or tried == [], rt.tuned
+            # the credit follows: 4 partitions
+            assert rt._sender.credit == 4 * partition
+        # both ranks got the same times back, so they tried the same
+        assert rts[0].tuned.candidates == rts[1].tuned.candidates
+    finally:
+        for rt in rts:
+            rt.close()
+    events = json.loads((tmp_path / "jaxps-rank0.trace.json").read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    (tune,) = [e for e in events if e.get("name") == "tune"]
+    assert tune["args"]["partition_bytes"] == partition, tune
+
+
+@pytest.mark.timeout(60)
+def test_an_explicit_partition_or_one_host_measures_nothing(start_servers):
+    servers = start_servers(1, 2)
+    for kw, partition in (
+        ({"partition_bytes": 65536}, 65536),
+        ({}, tuning.MAX_PARTITION),  # loopback servers: the largest
+    ):
+        rts = runtimes(servers, **kw)
+        try:
+            exact_sums(rts)
+            for rt in rts:
+                assert rt.tuned is None and rt.partition_bytes == partition
+        finally:
+            for rt in rts:
+                rt.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_never_comes_is_named_at_the_first_call(
+    start_servers, monkeypatch
+):
+    monkeypatch.setattr(tuning, "ON_ONE_HOST", True)
+    servers = start_servers(1, 2, "--round-timeout", "2")
+    (rt,) = [
+        Runtime(
+            Config(
+                servers=(servers[0].address,),
+                num_workers=2,
+                worker_rank=0,
+                timeout=2.0,
+            )
+        )
+    ]
+    try:
+        began = time.monotonic()
+        with pytest.raises(errors.RoundTimeoutError) as raised:
+            rt.push_pull("g", np.ones(4, np.float32))
+        took = time.monotonic() - began
+        text = str(raised.value)
+        assert "partition_bytes='auto'" in text, text
+        assert "rank(s) [1]" in text, text
+        assert took < 10, took
+    finally:
+        rt.close()
