@@ -1,6 +1,6 @@
 """Helpers shared by the benchmark scripts: child processes and reporting.
 
-Every child is a `jaxps._src.process.Child`: started in its own session
+Every child is a `jaxps._src.launch.process.Child`: started in its own session
 (process group) with its output in a log file, so that a hung child can never
 block the parent on a full pipe and can always be stopped, with all its
 threads and children, by its group id.
@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 
-from jaxps._src import process
+from jaxps._src.launch import process
 
 MB = 1024 * 1024
 LOOPBACK = "127.0.0.1"

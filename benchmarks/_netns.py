@@ -31,7 +31,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 
-from jaxps._src import process
+from jaxps._src.launch import process
 
 PREFIX = "jxb-"
 SUBNET = "10.231.0"  # the /24 used only inside the namespaces

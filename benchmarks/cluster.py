@@ -66,7 +66,7 @@ import time
 import _netns
 from _netns import Proc, child_env
 
-from jaxps._src.process import server_addresses, server_argv, wait_all
+from jaxps._src.launch.process import server_addresses, server_argv, wait_all
 
 RESULT = "RESULT "
 READY = "READY"

@@ -21,7 +21,7 @@ import tempfile
 import textwrap
 import time
 
-from jaxps._src import process
+from jaxps._src.launch import process
 
 WORKER = textwrap.dedent(
     """

@@ -23,8 +23,8 @@ import time
 
 import numpy as np
 
-from jaxps._src import process
 from jaxps._src.config import Config
+from jaxps._src.launch import process
 from jaxps._src.runtime import Runtime
 
 

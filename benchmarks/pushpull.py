@@ -40,7 +40,7 @@ import _common
 import numpy as np
 from _common import LOOPBACK, MB, Child, log
 
-from jaxps._src import process
+from jaxps._src.launch import process
 
 BACKENDS = ("jaxps", "jax", "torch", "tcp")
 COLUMNS = {

@@ -78,8 +78,13 @@ import time
 
 from _common import format_table, free_port, load_average, log
 
-from jaxps._src import process
-from jaxps._src.process import Child, server_address, server_argv, wait_all
+from jaxps._src.launch import process
+from jaxps._src.launch.process import (
+    Child,
+    server_address,
+    server_argv,
+    wait_all,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(os.path.dirname(HERE), "examples")

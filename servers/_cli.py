@@ -295,7 +295,7 @@ def _supervise(argv: list[str], args: argparse.Namespace) -> int:
     Returns:
       0 after SIGTERM, SIGINT or SIGHUP; 1 when a process ended by itself.
     """
-    from jaxps._src import process  # stdlib only: no JAX
+    from jaxps._src.launch import process  # stdlib only: no JAX
 
     events: queue.SimpleQueue = queue.SimpleQueue()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

@@ -9,7 +9,7 @@ import time  # noqa: E402
 
 import pytest  # noqa: E402
 
-from jaxps._src import process  # noqa: E402
+from jaxps._src.launch import process  # noqa: E402
 
 #: Seconds a server may take to print its ready line.
 SERVER_START_TIMEOUT = 60.0

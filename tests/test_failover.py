@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from jaxps._src import process
+from jaxps._src.launch import process
 
 STEPS = 60
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from jaxps._src import hostfile
+from jaxps._src.launch import hostfile
 
 GOOD = """
 # CPU machines

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxps._src import launch
+from jaxps._src.launch import local as launch
 
 PY = sys.executable
 

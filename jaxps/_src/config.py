@@ -2,8 +2,9 @@
 
 Every field is resolved in this order: the explicit argument, then the
 ``JAXPS_*`` environment variable, then the default. The rank and the number
-of workers also fall back to the cluster: SLURM's ``SLURM_PROCID`` and
-``SLURM_NTASKS``, then `jax.distributed` (``jax.process_index()`` and
+of workers also fall back to the scheduler that started the worker
+(`jaxps._src.launch.cluster`: SLURM, MPI, a Kubernetes Indexed Job, then
+`jax.distributed`; ``jax.process_index()`` and
 ``jax.process_count()``) when it is initialized.
 """
 
@@ -11,23 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 from collections.abc import Mapping
 from typing import Any
 
 from jaxps._src import errors
+from jaxps._src.launch import cluster
 
 #: The largest partition `partition_bytes="auto"` chooses, and the one a
 #: worker starts with until it has chosen.
 DEFAULT_PARTITION_BYTES = 4 * 1024 * 1024
 #: The `Config.partition_bytes` that lets the workers choose (`tuning`).
 AUTO = "auto"
-
-#: Field name -> cluster variable read when the JAXPS_* one is not set.
-CLUSTER_ENV = {
-    "worker_rank": "SLURM_PROCID",
-    "num_workers": "SLURM_NTASKS",
-}
 
 #: Field name -> environment variable.
 ENV = {
@@ -220,35 +215,35 @@ class Config:
                 f"{sorted(f.name for f in dataclasses.fields(cls))}."
             )
         values: dict[str, Any] = {}
+        detected: dict[str, str] = {}  # field -> the scheduler's variables
         for field in dataclasses.fields(cls):
             value = overrides.get(field.name)
             var = ENV.get(field.name)
             if value is None and var is not None and var in env:
                 value = _parse(field.name, env[var])
-            if value is None and field.name in CLUSTER_ENV:
-                value = _from_cluster(field.name, env)
+            if value is None and field.name in ("worker_rank", "num_workers"):
+                found = cluster.detect(env)
+                if found is not None:
+                    rank = field.name == "worker_rank"
+                    value = found.rank if rank else found.size
+                    if value is not None:
+                        detected[field.name] = found.source
             if value is not None:
                 if field.name in ("servers", "colocated_servers"):
                     value = _servers(value)
                 values[field.name] = value
-        return cls(**values)
-
-
-def _from_cluster(name: str, env: Mapping[str, str]) -> int | None:
-    var = CLUSTER_ENV[name]
-    if var in env:
         try:
-            return int(env[var])
-        except ValueError:
+            return cls(**values)
+        except errors.ConfigError as err:
+            if not detected:
+                raise
+            sources = [f"{f} from {v}" for f, v in detected.items()]
+            if "num_workers" not in values:
+                sources.append("num_workers not set: set JAXPS_NUM_WORKERS")
             raise errors.ConfigError(
-                f"{var} must be an integer. Got {var}={env[var]!r}."
+                f"{err} ({'; '.join(sources)}; JAXPS_WORKER_RANK and "
+                "JAXPS_NUM_WORKERS override the scheduler's)"
             ) from None
-    jax = sys.modules.get("jax")  # only if the program already uses JAX
-    if jax is not None and jax.distributed.is_initialized():
-        if name == "worker_rank":
-            return jax.process_index()
-        return jax.process_count()
-    return None
 
 
 def _servers(value) -> tuple[str, ...]:

@@ -92,6 +92,40 @@ def test_rank_and_size_fall_back_to_slurm():
         Config.from_env({"SLURM_NTASKS": "many"})
 
 
+@pytest.mark.parametrize(
+    "env, rank, size",
+    [
+        # Open MPI's mpirun
+        ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"}, 1, 4),
+        # MPICH's Hydra and other PMI launchers
+        ({"PMI_RANK": "3", "PMI_SIZE": "4"}, 3, 4),
+        # a Kubernetes Indexed Job: the size from the manifest's JAXPS_*
+        ({"JOB_COMPLETION_INDEX": "2", "JAXPS_NUM_WORKERS": "3"}, 2, 3),
+        # SLURM first, as srun may run inside an allocation started by MPI
+        (
+            {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "PMI_RANK": "1"},
+            0,
+            2,
+        ),
+    ],
+)
+def test_rank_and_size_from_mpi_and_kubernetes(env, rank, size):
+    cfg = Config.from_env({**env, "JAXPS_SERVERS": "h:1"})
+    assert (cfg.worker_rank, cfg.num_workers) == (rank, size)
+
+
+def test_a_scheduler_rank_without_a_size_is_named():
+    # an Indexed Job's pod knows its index, not the job's completions
+    with pytest.raises(
+        errors.ConfigError,
+        match=r"worker_rank from JOB_COMPLETION_INDEX; num_workers not "
+        r"set: set JAXPS_NUM_WORKERS",
+    ):
+        Config.from_env({"JOB_COMPLETION_INDEX": "2", "JAXPS_SERVERS": "h:1"})
+    with pytest.raises(errors.ConfigError, match="PMI_SIZE must be an"):
+        Config.from_env({"PMI_RANK": "0", "PMI_SIZE": "four"})
+
+
 def test_unknown_setting():
     with pytest.raises(errors.ConfigError, match="unknown jaxps setting"):
         Config.from_env({}, num_servers=3)

@@ -1,4 +1,4 @@
-"""Tests of the process helper (`jaxps._src.process`)."""
+"""Tests of the process helper (`jaxps._src.launch.process`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxps._src import process
+from jaxps._src.launch import process
 
 PY = sys.executable
 

@@ -17,8 +17,8 @@ import time
 import numpy as np
 import pytest
 
-from jaxps._src import process
 from jaxps._src.config import Config
+from jaxps._src.launch import process
 from jaxps._src.runtime import Runtime
 
 START_TIMEOUT = 60.0

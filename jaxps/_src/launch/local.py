@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
-from jaxps._src import hostfile, process
+from jaxps._src.launch import hostfile, process
 from jaxps.servers._wire import READY_PREFIX
 
 #: Seconds a server may take to print its ready line.
