@@ -45,7 +45,9 @@ _USAGE = (
     "[--server-processes P] [--timeout SECONDS] [--job-id ID] "
     "[--engine-threads T] [--restart-servers R] [--devices-per-worker G] "
     "[--dry-run] "
-    "[--async] [--deterministic] [--elastic] -- CMD [ARGS ...]"
+    "[--async] [--deterministic] [--elastic] "
+    "[--ray [--address ADDR] [--gpus-per-worker G] [--cpus-per-server C] "
+    "[--server-resource NAME=AMOUNT]] -- CMD [ARGS ...]"
 )
 
 
@@ -85,6 +87,10 @@ class LaunchConfig:
       devices_per_worker: GPUs of each local worker: worker r sees GPUs
         r*G .. r*G+G-1 (``CUDA_VISIBLE_DEVICES``); None leaves them all
         visible to every worker.
+      ray: run the servers and workers as Ray actors (`launch.ray`), with
+        these settings; None runs them here (or over ssh).
+      ray_address: the Ray cluster to join (None: this process's, else a
+        new one on this machine).
     """
 
     workers: int
@@ -101,6 +107,8 @@ class LaunchConfig:
     restart_servers: int = 0
     elastic: bool = False
     devices_per_worker: int | None = None
+    ray: Any = None  # a launch.ray.RaySettings
+    ray_address: str | None = None
 
     def worker_devices(self, rank: int) -> str | None:
         """The ``CUDA_VISIBLE_DEVICES`` of local worker `rank`, or None."""
@@ -226,6 +234,44 @@ def _parser() -> argparse.ArgumentParser:
         help="a worker that fails does not stop the job (jaxps.elastic "
         "programs go on without it); exit 0 if any worker succeeds",
     )
+    ray = p.add_argument_group(
+        "Ray", "run the servers and workers as actors of a Ray cluster"
+    )
+    ray.add_argument(
+        "--ray",
+        action="store_true",
+        help="servers as CPU-only actors, workers as actors in a placement "
+        "group (pip install 'jaxps[ray]')",
+    )
+    ray.add_argument(
+        "--address",
+        default=None,
+        metavar="ADDR",
+        help="the Ray cluster to join (default: a new one on this machine)",
+    )
+    ray.add_argument(
+        "--gpus-per-worker",
+        type=float,
+        default=0,
+        metavar="G",
+        help="GPUs of each worker actor (default %(default)s)",
+    )
+    ray.add_argument(
+        "--cpus-per-server",
+        type=float,
+        default=1,
+        metavar="C",
+        help="CPUs of each server actor (default %(default)s)",
+    )
+    ray.add_argument(
+        "--server-resource",
+        action="append",
+        default=[],
+        metavar="NAME=AMOUNT",
+        help="a custom Ray resource each server actor needs, e.g. "
+        "cpu_node=0.01 to keep servers on the machines started with "
+        "'ray start --resources={\"cpu_node\": 1}' (repeatable)",
+    )
     p.add_argument(
         "command",
         nargs=argparse.REMAINDER,
@@ -288,6 +334,25 @@ def _validate(
                 "--devices-per-worker assigns the GPUs of this machine; "
                 "with --hostfile set CUDA_VISIBLE_DEVICES on each host"
             )
+    if args.ray:
+        for flag, used in (
+            ("--hostfile", args.hostfile),
+            (
+                "--devices-per-worker (use --gpus-per-worker)",
+                (args.devices_per_worker is not None),
+            ),
+            ("--server-processes", args.server_processes > 1),
+            ("--elastic", args.elastic),
+            ("--dry-run", args.dry_run),
+        ):
+            if used:
+                parser.error(f"--ray does not go with {flag}")
+        if args.gpus_per_worker < 0 or not args.cpus_per_server > 0:
+            parser.error(
+                "--gpus-per-worker must be >= 0 and --cpus-per-server > 0"
+            )
+    elif args.address or args.server_resource:
+        parser.error("--address and --server-resource need --ray")
     if not command:
         parser.error(
             "a worker command is required after '--', e.g. "
@@ -356,6 +421,9 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
     env = {"JAXPS_JOB_ID": job_id, "JAXPS_NUM_WORKERS": str(args.workers)}
     if args.timeout is not None:
         env["JAXPS_TIMEOUT"] = repr(args.timeout)
+    ray = None
+    if args.ray:
+        ray = _ray_settings(parser, args, timeout)
     return LaunchConfig(
         workers=args.workers,
         servers=args.servers,
@@ -378,7 +446,45 @@ def parse_args(argv: Sequence[str] | None = None) -> LaunchConfig:
         restart_servers=args.restart_servers,
         elastic=args.elastic,
         devices_per_worker=args.devices_per_worker,
+        ray=ray,
+        ray_address=args.address,
     )
+
+
+def _ray_settings(parser, args, timeout: float):
+    """The `launch.ray.RaySettings` of ``--ray`` (Ray is imported only
+    when the job starts)."""
+    from jaxps._src import errors
+    from jaxps._src.launch.ray import RaySettings
+
+    resources = {}
+    for item in args.server_resource:
+        name, sep, amount = item.partition("=")
+        try:
+            resources[name] = float(amount)
+        except ValueError:
+            sep = ""
+        if not sep or not name:
+            parser.error(f"--server-resource takes NAME=AMOUNT, got {item!r}")
+    options = {"async_mode": args.async_mode}
+    if args.deterministic:
+        options["deterministic"] = True
+    if args.engine_threads is not None:
+        options["engine_threads"] = args.engine_threads
+    try:
+        return RaySettings(
+            num_workers=args.workers,
+            num_servers=args.servers,
+            gpus_per_worker=args.gpus_per_worker,
+            cpus_per_server=args.cpus_per_server,
+            server_resources=resources or None,
+            restart_servers=args.restart_servers,
+            round_timeout=timeout,
+            server_options=options,
+            job_id=args.job_id,
+        )
+    except errors.ConfigError as err:
+        parser.error(str(err))
 
 
 # ----------------------------------------------------------------------------
@@ -731,6 +837,10 @@ def main(argv: list[str] | None = None) -> int:
       SIGTERM.
     """
     config = parse_args(argv)
+    if config.ray is not None:
+        from jaxps._src.launch import ray
+
+        return ray.run_command(config.command, config.ray, config.ray_address)
     launcher = Launcher(config)
     if config.dry_run:
         hostfile.print_commands(launcher.commands())
