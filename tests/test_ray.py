@@ -126,6 +126,29 @@ def test_a_server_actor_ray_restarts_costs_no_step(cluster):
         assert got == [1.0 + 2 * step for step in range(40)]
 
 
+def test_a_dead_server_actor_is_named(cluster):
+    del cluster
+    settings = launch_ray.RaySettings(
+        num_workers=2,
+        num_servers=2,
+        round_timeout=10,
+        env={"JAXPS_RECOVERY_WINDOW": "1"},
+    )
+    job = launch_ray._Job(settings, None)
+    try:
+        job.start_workers(job.start_servers())
+        pid = ray.get(job.servers[0].__ray_call__.remote(lambda a: os.getpid()))
+        refs = [w.run.remote(_slow_sums, (400,), {}) for w in job.workers]
+        threading.Timer(1.5, os.kill, (pid, signal.SIGKILL)).start()
+        with pytest.raises(errors.JaxpsError) as raised:
+            job.results(refs, 120)
+    finally:
+        job.close()
+    text = str(raised.value)
+    assert "server actor(s) [0] died" in text, text
+    assert "worker rank" in text, text
+
+
 WORKER = textwrap.dedent(
     """
     import sys, numpy as np, jaxps
