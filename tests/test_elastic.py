@@ -183,6 +183,7 @@ def test_survivors_of_a_killed_worker_finish(tmp_path, start_servers):
         _reap(workers)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_worker_started_mid_run_joins(tmp_path, start_servers):
     servers = start_servers(2, 2)
@@ -212,6 +213,7 @@ def test_a_worker_started_mid_run_joins(tmp_path, start_servers):
         _reap(workers)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_the_launcher_lets_an_elastic_job_go_on(tmp_path):
     # The launcher's rank 2 kills itself at step 10: with --elastic the

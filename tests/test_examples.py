@@ -114,6 +114,22 @@ def test_mnist_two_workers_reach_accuracy(undisturbed_mnist):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_mnist_on_ray_trains_as_the_local_launcher(undisturbed_mnist):
+    # jaxps-launch --ray starts a Ray instance of this machine; with
+    # deterministic servers the two launchers end with the same model
+    pytest.importorskip("ray")
+    proc = _launch(
+        *MNIST, launch_flags=(*DETERMINISTIC, "--ray"), settings=SPREAD
+    )
+    accuracy = _per_worker(r"test accuracy: ([\d.]+)", proc.stdout)
+    local = _per_worker(r"test accuracy: ([\d.]+)", undisturbed_mnist.stdout)
+    assert sorted(accuracy) == [0, 1] and accuracy == local, proc.stdout
+    final = _per_worker(CHECKSUM, proc.stdout)
+    assert final == _per_worker(CHECKSUM, undisturbed_mnist.stdout), proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_mnist_on_hosts_of_four_devices():
     # each worker shards its batch over 4 devices (jax.set_mesh, nnx.jit);
     # each device pushes its slice; the workers stay identical

@@ -3,6 +3,7 @@ ranks come from Open MPI's variables, with a real ``mpirun`` (Open MPI from
 the Debian packages, which ``.ci/run`` installs)."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -30,6 +31,7 @@ WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(MPIRUN is None, reason="needs mpirun (Open MPI)")
 @pytest.mark.timeout(120)
 def test_mpirun_gives_the_ranks(start_servers, tmp_path):
@@ -68,6 +70,5 @@ def test_mpirun_gives_the_ranks(start_servers, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     assert proc.returncode == 0, out
-    assert sorted(
-        line for line in out.splitlines() if line.startswith("OK ")
-    ) == [f"OK rank {r} of 3" for r in range(3)], out
+    # mpirun interleaves the ranks' output, not always at line ends
+    assert sorted(re.findall(r"OK rank (\d) of 3", out)) == ["0", "1", "2"], out

@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 def cluster():
     """One Ray instance for the module: its GCS address."""
     ray.init(
+        address="local",  # a new instance, whatever else runs here
         num_cpus=8,
         include_dashboard=False,
         _node_ip_address="127.0.0.1",

@@ -466,6 +466,14 @@ def _ray_settings(parser, args, timeout: float):
             sep = ""
         if not sep or not name:
             parser.error(f"--server-resource takes NAME=AMOUNT, got {item!r}")
+    # the launcher's own JAXPS_* settings go to the workers, as locally;
+    # the job's servers, ranks, id and token are the Ray job's
+    own = ("SERVERS", "NUM_WORKERS", "WORKER_RANK", "JOB_ID", "TOKEN")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith("JAXPS_") and k[len("JAXPS_") :] not in own
+    }
     options = {"async_mode": args.async_mode}
     if args.deterministic:
         options["deterministic"] = True
@@ -482,6 +490,7 @@ def _ray_settings(parser, args, timeout: float):
             round_timeout=timeout,
             server_options=options,
             job_id=args.job_id,
+            env=env,
         )
     except errors.ConfigError as err:
         parser.error(str(err))

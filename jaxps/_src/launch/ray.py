@@ -14,7 +14,8 @@ A worker that fails or dies ends the job with an error naming its rank
 `restart_servers` R, Ray restarts a server actor that died up to R times,
 on the port it had; the workers fail over to it (``recovery_window``) and
 go on without losing a step. The port is kept in a file of the node, so a
-server that comes back on another node is not found again.
+server that comes back on another node is not found again. Each server
+binds its node's address in the Ray cluster.
 
 Ray is an optional extra: ``pip install "jaxps[ray]"``.
 """
@@ -74,6 +75,9 @@ class RaySettings:
       server_options: more `jaxps.servers.ServerOptions` of every server
         (``async_mode``, ``deterministic``, ``engine_threads``, ...).
       job_id: the job id (default: a random ``jaxps-<hex>``).
+      server_host: the address each server binds and the workers reach it
+        at (default: its node's address in the Ray cluster; "127.0.0.1"
+        where every node is this machine, as in tests).
     """
 
     num_workers: int
@@ -88,6 +92,7 @@ class RaySettings:
     env: dict[str, str] | None = None
     server_options: dict[str, Any] | None = None
     job_id: str | None = None
+    server_host: str | None = None
 
     def __post_init__(self):
         if self.num_workers < 1:
@@ -109,15 +114,23 @@ class _ServerActor:
     """A summation server in the actor's process (its death is the
     server's)."""
 
-    def __init__(self, index: int, opts: dict, port_file: str):
+    def __init__(self, index: int, opts: dict, job_id: str):
+        import ray
+
         from jaxps.servers import ServerOptions, create_server
 
         self.index = index
+        # on this node: where a restart of the actor finds its port
+        self._port_file = port_file = os.path.join(
+            tempfile.gettempdir(), f"{job_id}-server{index}.port"
+        )
         port = 0
         if os.path.exists(port_file):  # a restart: the port it had
             with open(port_file) as f:
                 port = int(f.read())
-        options = ServerOptions(port=port, **opts)
+        # the node's address in the Ray cluster: the one others reach
+        host = opts.pop("host", None) or ray.util.get_node_ip_address()
+        options = ServerOptions(host=host, port=port, **opts)
         self._loop = asyncio.new_event_loop()
         started: concurrent.futures.Future = concurrent.futures.Future()
 
@@ -144,16 +157,21 @@ class _ServerActor:
     def __repr__(self) -> str:  # Ray's prefix of the actor's output
         return f"server {self.index}"
 
+    def address(self) -> str:
+        return self._server.address
+
     def port(self) -> int:
         return self._server.port
 
-    def node_ip(self) -> str:
-        import ray
-
-        return ray.util.get_node_ip_address()
-
     def ping(self) -> bool:
         return True
+
+    def forget_port(self) -> None:
+        """Removes the port file (the job is over)."""
+        try:
+            os.unlink(self._port_file)
+        except OSError:
+            pass
 
 
 class _WorkerActor:
@@ -175,9 +193,10 @@ class _WorkerActor:
             if state.is_initialized():
                 state.shutdown()
 
-    def run_command(self, command: Sequence[str]) -> int:
-        """Runs `command`, its output lines prefixed ``[worker r]``;
-        returns its exit code."""
+    def run_command(self, command: Sequence[str]):
+        """Runs `command`; yields each line of its output, then its exit
+        code (an int). Called as a streaming generator: the launcher
+        prints the lines as they come."""
         proc = subprocess.Popen(
             list(command),
             stdout=subprocess.PIPE,
@@ -186,9 +205,10 @@ class _WorkerActor:
             errors="replace",
         )
         assert proc.stdout is not None
-        for line in proc.stdout:
-            print(f"[worker {self.rank}] {line}", end="", flush=True)
-        return proc.wait()
+        # (not `yield from`: Ray's streaming calls .send on the delegate)
+        for line in proc.stdout:  # noqa: UP028
+            yield line
+        yield proc.wait()
 
 
 class _Job:
@@ -200,12 +220,13 @@ class _Job:
         self.started_ray = not ray.is_initialized()
         local = self.started_ray and address is None
         if self.started_ray:
-            if local:  # a Ray of this machine only, on loopback
+            if local:  # a Ray of this machine only
                 needed = (
                     s.num_workers * s.cpus_per_worker
                     + s.num_servers * s.cpus_per_server
                 )
                 ray.init(
+                    address="local",  # a new instance, whatever runs
                     num_cpus=max(os.cpu_count() or 1, int(needed + 0.999)),
                     include_dashboard=False,
                     _node_ip_address="127.0.0.1",
@@ -217,15 +238,12 @@ class _Job:
         self.servers: list = []
         self.workers: list = []
         self.group = None
-        self._dir = tempfile.mkdtemp(prefix=f"{self.job_id}-")
-        self.local = local or _is_local_instance(ray)
 
     def start_servers(self) -> list[str]:
         """Starts the server actors; returns their addresses."""
         ray, s = self.ray, self.settings
-        host = "127.0.0.1" if self.local else "0.0.0.0"
         opts = dict(
-            host=host,
+            host=s.server_host,
             num_workers=s.num_workers,
             round_timeout=s.round_timeout,
             token=self.token,
@@ -237,20 +255,12 @@ class _Job:
             max_restarts=s.restart_servers,
         )
         self.servers = [
-            actor.remote(i, opts, os.path.join(self._dir, f"server{i}.port"))
-            for i in range(s.num_servers)
+            actor.remote(i, opts, self.job_id) for i in range(s.num_servers)
         ]
-        ports = ray.get(
-            [a.port.remote() for a in self.servers],
+        return ray.get(
+            [a.address.remote() for a in self.servers],
             timeout=SERVER_START_TIMEOUT,
         )
-        ips = ray.get(
-            [a.node_ip.remote() for a in self.servers],
-            timeout=SERVER_START_TIMEOUT,
-        )
-        if self.local:
-            ips = ["127.0.0.1"] * len(ports)
-        return [f"{ip}:{port}" for ip, port in zip(ips, ports)]
 
     def start_workers(self, addresses: list[str]) -> None:
         from ray.util.placement_group import placement_group
@@ -286,14 +296,8 @@ class _Job:
             for rank in range(s.num_workers)
         ]
 
-    def results(
-        self,
-        refs: list,
-        timeout: float | None,
-        failed: Callable[[Any], bool] = lambda result: False,
-    ) -> list:
-        """Each rank's result; the first failure (an exception, or a
-        result that `failed` refuses) ends the wait, named."""
+    def results(self, refs: list, timeout: float | None) -> list:
+        """Each rank's result; the first failure ends the job, named."""
         ray = self.ray
         deadline = None if timeout is None else time.monotonic() + timeout
         pending = {ref: rank for rank, ref in enumerate(refs)}
@@ -317,8 +321,6 @@ class _Job:
                     results[rank] = ray.get(ref)
                 except Exception as err:  # noqa: BLE001 - named below
                     raise self._failed(rank, err) from err
-                if failed(results[rank]):
-                    return results  # `close` stops the others
         return results
 
     def _failed(self, rank: int, err: BaseException) -> errors.JaxpsError:
@@ -345,6 +347,11 @@ class _Job:
 
     def close(self) -> None:
         ray = self.ray
+        for actor in self.servers:
+            try:
+                ray.get(actor.forget_port.remote(), timeout=PING_TIMEOUT)
+            except Exception:  # noqa: BLE001 - a dead actor's file stays
+                pass
         for actor in self.workers + self.servers:
             try:
                 ray.kill(actor, no_restart=True)
@@ -359,18 +366,6 @@ class _Job:
                 pass
         if self.started_ray:
             ray.shutdown()
-        for name in os.listdir(self._dir):
-            os.unlink(os.path.join(self._dir, name))
-        os.rmdir(self._dir)
-
-
-def _is_local_instance(ray) -> bool:
-    """Whether the Ray this process joined is one node on loopback."""
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    return len(nodes) == 1 and nodes[0].get("NodeManagerAddress") in (
-        "127.0.0.1",
-        "localhost",
-    )
 
 
 def run(
@@ -454,21 +449,39 @@ def run_command(
     job = _Job(settings, address)
     try:
         job.start_workers(job.start_servers())
-        refs = [w.run_command.remote(list(command)) for w in job.workers]
-        try:
-            codes = job.results(refs, None, failed=bool)
-        except errors.JaxpsError as err:
-            print(f"jaxps-launch: {err}", file=sys.stderr, flush=True)
-            return 1
-        failed = [(r, c) for r, c in enumerate(codes) if c]  # None: stopped
-        if failed:
-            rank, code = failed[0]
-            print(
-                f"jaxps-launch: worker {rank} exited with code {code}",
-                file=sys.stderr,
-                flush=True,
-            )
-            return code if 0 < code < 256 else 1
+        ray = job.ray
+        streams = {
+            w.run_command.options(num_returns="streaming").remote(
+                list(command)
+            ): rank
+            for rank, w in enumerate(job.workers)
+        }
+        while streams:
+            ready, _ = ray.wait(list(streams), num_returns=1)
+            for stream in ready:
+                rank = streams[stream]
+                try:
+                    item = ray.get(next(stream))
+                except StopIteration:
+                    del streams[stream]
+                    continue
+                except Exception as err:  # noqa: BLE001 - named below
+                    print(
+                        f"jaxps-launch: {job._failed(rank, err)}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    return 1
+                if isinstance(item, str):
+                    print(f"[worker {rank}] {item}", end="", flush=True)
+                elif item:  # the command failed: stop the job
+                    print(
+                        f"jaxps-launch: worker {rank} exited with code {item}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    # as the local launcher: 128 + signum if killed
+                    return item if 0 < item < 256 else 128 - item
         return 0
     finally:
         job.close()
