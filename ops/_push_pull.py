@@ -56,8 +56,8 @@ def push_pull(
       name: a name unique among the push_pulls that may be in flight at once,
         the same on every worker; leaf paths are appended to it. Default:
         the call site (file and line) numbered within the `jax.jit` trace,
-        so that two push_pulls of one step never collide (see README,
-        "Names").
+        so that two push_pulls of one step never collide (see `name` in
+        docs/usage.md).
       axis_name: the shard_map / pmap axis of the local devices, or None.
         Required inside a shard_map or pmap over more than one device.
       priorities: one int per leaf; higher goes out first. Default: leaves

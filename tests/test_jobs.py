@@ -1,6 +1,6 @@
 """Servers that outlive jobs: job incarnations, freed state, bounded memory.
 
-Long-running `jaxps-server` processes (as in the README's cluster recipe)
+Long-running `jaxps-server` processes (as in docs/clusters.md)
 serve job after job; workers are real processes or real Runtimes.
 """
 
