@@ -88,6 +88,20 @@ def test_a_failing_or_dying_worker_is_named(cluster):
     assert jaxps.ray.run(_sums, 1, num_workers=2, num_servers=1)[0][0] == 0
 
 
+def test_servers_the_cluster_cannot_place_are_named(cluster, monkeypatch):
+    del cluster
+    monkeypatch.setattr(launch_ray, "SERVER_START_TIMEOUT", 3.0)
+    with pytest.raises(errors.ServerUnavailableError) as raised:
+        jaxps.ray.run(
+            _sums,
+            1,
+            num_workers=2,
+            num_servers=1,
+            server_resources={"cpu_node": 1},  # no node has it
+        )
+    assert "{'cpu_node': 1}" in str(raised.value), raised.value
+
+
 def _slow_sums(steps):
     import jaxps
 

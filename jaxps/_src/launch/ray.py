@@ -257,10 +257,18 @@ class _Job:
         self.servers = [
             actor.remote(i, opts, self.job_id) for i in range(s.num_servers)
         ]
-        return ray.get(
-            [a.address.remote() for a in self.servers],
-            timeout=SERVER_START_TIMEOUT,
-        )
+        try:
+            return ray.get(
+                [a.address.remote() for a in self.servers],
+                timeout=SERVER_START_TIMEOUT,
+            )
+        except ray.exceptions.GetTimeoutError:
+            raise errors.ServerUnavailableError(
+                f"jaxps on Ray: {s.num_servers} server actor(s) of "
+                f"{s.cpus_per_server:g} CPU(s) and resources "
+                f"{s.server_resources or {}} did not start within "
+                f"{SERVER_START_TIMEOUT:g} s: does the cluster have them?"
+            ) from None
 
     def start_workers(self, addresses: list[str]) -> None:
         from ray.util.placement_group import placement_group
@@ -273,7 +281,15 @@ class _Job:
         if s.gpus_per_worker:
             bundle["GPU"] = s.gpus_per_worker
         self.group = placement_group([bundle] * s.num_workers, s.placement)
-        ray.get(self.group.ready(), timeout=SERVER_START_TIMEOUT)
+        try:
+            ray.get(self.group.ready(), timeout=SERVER_START_TIMEOUT)
+        except ray.exceptions.GetTimeoutError:
+            raise errors.JaxpsError(
+                f"jaxps on Ray: the placement group of {s.num_workers} "
+                f"worker(s) of {bundle} ({s.placement}) was not placed "
+                f"within {SERVER_START_TIMEOUT:g} s: does the cluster have "
+                "them, besides the servers'?"
+            ) from None
         env = {
             "JAXPS_SERVERS": ",".join(addresses),
             "JAXPS_NUM_WORKERS": str(s.num_workers),
