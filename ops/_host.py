@@ -141,11 +141,17 @@ class FusedLayout:
                 else f"{leaf_names[g[0]]}+{len(g) - 1}"
                 for g in self.groups
             ]
+            fused = [g for g in self.groups if len(g) > 1]
             check = plan.call_check(
                 leaf_names,
                 self.shapes,
                 self.dtypes,
                 None if call is None else f"{call}@{shard}",
+                # ranks on other platforms fuse other leaves: named at once
+                crossing="fused leaves "
+                + " ".join(",".join(map(str, g)) for g in fused)
+                if fused
+                else "",
             )
             found = self._at[(shard, call)] = (names, check)
         return found

@@ -55,7 +55,11 @@ WORKER = textwrap.dedent(
             )
     # under jit, caught by its own type (jaxps.errors.typed)
     import jax
-    for case in ("shape", "transposed"):
+    from jaxps.ops import _host
+    CASES["crossing"] = {"a": jnp.ones(3), "b": jnp.ones(4)}
+    for case in ("shape", "transposed", "crossing"):
+        if case == "crossing" and r == 1:  # fuses as a GPU rank would not
+            _host.CPU_FUSE_BYTES = 0
         step = jax.jit(lambda t: jaxps.push_pull(t, name="jitted" + case))
         began = time.monotonic()
         try:
@@ -122,11 +126,19 @@ def test_mismatch_is_named_at_once(
                 cases[case] = (float(seconds), kind, text)
         assert set(cases) == set(EXPECTED), out
         jitted = [x for x in out.splitlines() if x.startswith("JITTED ")]
-        assert len(jitted) == 2, out
+        assert len(jitted) == 3, out
         for line in jitted:
             _, case, seconds, text = line.split(" ", 3)
             assert float(seconds) < 2.0, line  # with compilation
-            mine, theirs = EXPECTED[case]
+            if case == "crossing":  # the same tree, crossing otherwise
+                tree = "['a'] float32[3], ['b'] float32[4]"
+                mine, theirs = f"{tree} (fused leaves 0,1)", tree
+            else:
+                mine, theirs = EXPECTED[case]
+            if case == "transposed":  # its two small leaves cross fused
+                mine, theirs = (
+                    f"{t} (fused leaves 0,1)" for t in (mine, theirs)
+                )
             assert _pushed(text) == {"0": mine, "1": theirs}, text
         for case, (seconds, kind, text) in cases.items():
             assert seconds < 2.0, (case, seconds, text)

@@ -334,6 +334,7 @@ def call_check(
     shapes: Sequence[Sequence[int]],
     dtypes: Sequence,
     call: str | None = None,
+    crossing: str = "",
 ) -> CallCheck:
     """The call check of a push_pull of tensors named `names`.
 
@@ -342,6 +343,9 @@ def call_check(
       shapes: the tensors' shapes.
       dtypes: the tensors' dtypes.
       call: the call's name; default `call_name(names)`.
+      crossing: how the tensors travel, where the ranks must agree on it
+        beyond the tree (the ops layer's fused leaves, which depend on the
+        platform); part of the signature and the description.
     """
     call = call_name(names) if call is None else call
     items = []
@@ -356,6 +360,9 @@ def call_check(
         else:
             items.append(f"{name} {dtype}{list(shape)}")
     description = ", ".join(items)
+    if crossing:
+        digest.update(f"\0crossing\0{crossing}".encode())
+        description = f"{description} ({crossing})"
     if len(description) > MAX_DESCRIPTION:
         description = description[: MAX_DESCRIPTION - 3] + "..."
     wire_name = "\0call:" + call
