@@ -105,6 +105,9 @@ class AsyncStore:
         lent: bool = False,
         signature: int = 0,
         description: str = "",
+        check_key: int = 0,
+        check_round: int = 0,
+        check_call: str = "",
     ) -> _AsyncTicket | None:
         """Validates a push; returns its work, or None for a repeat.
 
@@ -112,6 +115,7 @@ class AsyncStore:
         nothing here; workers send no call checks to async servers.
         """
         del checksum, now, lent, signature, description
+        del check_key, check_round, check_call
         dtype = self._keys.check_payload(
             key, rank, dtype_code, length, payload, name
         )

@@ -79,6 +79,9 @@ class Header:
         "name",
         "signature",
         "description",
+        "check_key",
+        "check_round",
+        "check_call",
     )
 
     def __init__(self, job_id, session, rank, key, rnd, dtype, length, name):
@@ -91,8 +94,11 @@ class Header:
         self.dtype = dtype
         self.length = length
         self.name = name
-        self.signature = 0  # a call check's (DATA_OP_CHECK)
+        self.signature = 0  # a call check's (DATA_OP_CHECK), or carried
         self.description = ""
+        self.check_key = 0  # a carried call check's (DATA_OP_PUSH_PULL_CHECKED)
+        self.check_round = 0
+        self.check_call = ""
 
 
 class _BufferPool:
@@ -490,6 +496,13 @@ class _Connection:
             h.signature, h.name, h.description = _wire.decode_check_name(
                 bytes(name)
             )
+        elif op == _wire.DATA_OP_PUSH_PULL_CHECKED:
+            try:
+                _wire.decode_carrier_name(bytes(name), h)
+            except _wire.Rejected as err:
+                self.channel.pool.give(buf)
+                self._out.put(_error_frame(rid, err.code, err.message))
+                return False
         else:
             h.name = name.decode(errors="replace")
         with self._busy_lock:

@@ -55,10 +55,6 @@ class Round:
     total: np.ndarray | None = None  # the finished sum, in the wire dtype
     # -- event loop state ------------------------------------------------------
     pushed: dict[int, int] = dataclasses.field(default_factory=dict)
-    # the call check's signature (Header.signature) and the rank and
-    # description of its first push; 0: not a call check
-    signature: int = 0
-    signed_by: tuple[int, str] = (-1, "")
     encoded: bytes | None = None  # `total` encoded once for every puller
     pulled: set[int] = dataclasses.field(default_factory=set)
     error: _wire.Rejected | None = None

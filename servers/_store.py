@@ -83,6 +83,9 @@ class PushPullStore(Protocol):
         lent: bool = False,
         signature: int = 0,
         description: str = "",
+        check_key: int = 0,
+        check_round: int = 0,
+        check_call: str = "",
     ) -> Ticket | None: ...
 
     def finish_push(
@@ -306,6 +309,20 @@ def _dtype(key: int, dtype_code: int) -> np.dtype:
         ) from None
 
 
+@dataclasses.dataclass(eq=False)
+class _Signed:
+    """One round of a call check (`Store._sign`): its first signature,
+    the rank and description that brought it, the ranks that agreed and
+    the pieces (key, round) that carried a signature."""
+
+    signature: int
+    rank: int
+    description: str
+    ranks: set[int] = dataclasses.field(default_factory=set)
+    carriers: set[tuple[int, int]] = dataclasses.field(default_factory=set)
+    error: StoreError | None = None
+
+
 class Store:
     """Sums the contributions of `num_workers` ranks for each (key, round).
 
@@ -351,6 +368,8 @@ class Store:
         self.last_round_by_rank: dict[int, int] = {}
         #: ranks that have joined (`jaxps.join`): rounds complete without them
         self.joined: frozenset[int] = frozenset()
+        # check key -> round -> what the call checks of that round signed
+        self._signed: dict[int, dict[int, _Signed]] = {}
 
     def check_rank(self, rank: int) -> None:
         self._keys.check_rank(rank)
@@ -378,19 +397,35 @@ class Store:
         lent: bool = False,
         signature: int = 0,
         description: str = "",
+        check_key: int = 0,
+        check_round: int = 0,
+        check_call: str = "",
     ) -> PushTicket | None:
         """Validates a push; returns its work, or None for a repeat.
 
         A push whose dtype or length contradicts the key's first push fails
         the round for every rank, so nobody waits for a sum that cannot be;
         so does a call check (a nonzero `signature`, with its
-        `description`) that differs from the round's first. A rank that
-        has joined may not push.
+        `description`) that differs from the first of its round (see
+        `_sign`). The check is a push of its own key, or rides on a piece
+        of the call (a nonzero `check_key`, with `check_round` and the
+        call's name `check_call`). A rank that has joined may not push.
         Payloads are kept (not copied) until they are added. A `lent`
         payload is a writable buffer that the store may use until `rank`
         pulls the round: the sum is made or left in it, and that pull must
         name the same buffer.
         """
+        if check_key:  # first: a mismatch is named, not a length
+            self.check_rank(rank)
+            self._sign(
+                check_key,
+                check_round,
+                rank,
+                signature,
+                description,
+                check_call,
+                carrier=(key, round),
+            )
         dtype = self._keys.check_payload(
             key, rank, dtype_code, length, payload, name
         )
@@ -425,8 +460,8 @@ class Store:
                     "kept.",
                 )
             return None  # an identical retry: acknowledged, not summed again
-        if signature:
-            self._check_call(k, rnd, rank, signature, description)
+        if signature and not check_key:  # a check of its own
+            self._sign(key, round, rank, signature, description, k.name)
         rnd.pushed[rank] = checksum
         if round > self.last_round_by_rank.get(rank, -1):
             self.last_round_by_rank[rank] = round
@@ -434,27 +469,51 @@ class Store:
         self.bytes_summed += len(payload)
         return PushTicket(k, rnd, rank, data, self.deterministic, lent)
 
-    def _check_call(
-        self, k: Key, rnd: Round, rank: int, signature: int, description: str
+    def _sign(
+        self,
+        check_key: int,
+        number: int,
+        rank: int,
+        signature: int,
+        description: str,
+        call: str,
+        carrier: tuple[int, int] | None = None,
     ) -> None:
-        """Keeps the first call check of a round; one that differs fails
-        the round for every rank, naming both ranks and trees."""
-        if not rnd.signature:
-            rnd.signature, rnd.signed_by = signature, (rank, description)
-            return
-        if signature == rnd.signature:
-            return
-        first, theirs = rnd.signed_by
-        err = StoreError(
-            "INVALID_ARGUMENT",
-            f"{_wire.MISMATCH_PREFIX}push_pull {k.name!r} (round "
-            f"{rnd.number}) differs between ranks: rank {first} pushed "
-            f"[{theirs}] but rank {rank} pushed [{description}]; every rank "
-            "must push_pull the same names, shapes and dtypes under one "
-            "name.",
-        )
-        self._poison(k.key, rnd.number, err)
-        raise err
+        """Keeps the first signature of round `number` of a call check; one
+        that differs fails that round, and the round of every piece that
+        carried a signature of it (`carrier`: this push's key and round),
+        for every rank, naming both ranks and trees."""
+        rounds = self._signed.setdefault(check_key, {})
+        signed = rounds.get(number)
+        if signed is None:
+            for old in [n for n in rounds if n < number - self.round_window]:
+                del rounds[old]  # a rank that left, or a failed round
+            signed = rounds[number] = _Signed(signature, rank, description)
+        if carrier is not None:
+            signed.carriers.add(carrier)
+        if signed.error is None and signature != signed.signature:
+            again = rank == signed.rank or rank in signed.ranks
+            signed.error = StoreError(
+                "INVALID_ARGUMENT",
+                f"{_wire.MISMATCH_PREFIX}push_pull {call!r} (round "
+                f"{number}) differs between ranks: rank {signed.rank} "
+                f"pushed [{signed.description}] but rank {rank} pushed "
+                f"[{description}]; every rank must push_pull the same "
+                "names, shapes and dtypes under one name."
+                if not again
+                else f"{_wire.MISMATCH_PREFIX}rank {rank} checked round "
+                f"{number} of push_pull {call!r} twice, with different "
+                f"trees ([{signed.description}], then [{description}]).",
+            )
+        if signed.error is not None:
+            for key, rnd in (*signed.carriers, (check_key, number)):
+                self._poison(key, rnd, signed.error)
+            raise signed.error
+        signed.ranks.add(rank)
+        if len(signed.ranks) >= self.num_workers - len(self.joined):
+            del rounds[number]  # every rank agreed
+            if not rounds:
+                del self._signed[check_key]
 
     def finish_push(
         self, ticket: PushTicket, error: BaseException | None = None
@@ -600,6 +659,7 @@ class Store:
         self.budget.release(self.held)
         self.held = 0
         self._keys = Keys(self.num_workers, 1)
+        self._signed = {}
 
     # -- expiry ------------------------------------------------------------
 
@@ -702,6 +762,7 @@ class Store:
         push (workers start again at 0), and nobody is joined. Rounds still
         live (a rank that never pulled) fail."""
         self.joined = frozenset()
+        self._signed = {}
         for k in self._keys:
             for rnd in k.rounds.values():
                 if rnd.fail(

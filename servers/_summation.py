@@ -8,7 +8,9 @@ call it and encode its answers. A request is refused by raising
 A chunk's header `h` is any object with the attributes of `pb.Header`:
 ``version``, ``job_id``, ``session``, ``rank``, ``key``, ``round``,
 ``dtype``, ``length`` and ``name``; a call check's also has ``signature``
-and ``description`` (see `_store.Store.begin_push`; others may lack them).
+and ``description``, and a piece that carries one ``check_key``,
+``check_round`` and ``check_call`` (see `_store.Store.begin_push`; others
+may lack them).
 """
 
 from __future__ import annotations
@@ -351,6 +353,9 @@ class Summation:
             lent=slot is not None,
             signature=getattr(h, "signature", 0),
             description=getattr(h, "description", ""),
+            check_key=getattr(h, "check_key", 0),
+            check_round=getattr(h, "check_round", 0),
+            check_call=getattr(h, "check_call", ""),
         )
         if ticket is not None:  # else an identical retry
             await self.engines.sum(ticket, store)

@@ -23,8 +23,9 @@ import numpy as np
 
 from . import jaxps_pb2 as pb
 
-#: 4: call checks (Header.signature), Join and the contributors of a sum.
-PROTOCOL_VERSION = 4
+#: 4: call checks (Header.signature), Join and the contributors of a sum;
+#: 5: call checks carried by a piece (Header.check_key).
+PROTOCOL_VERSION = 5
 #: The gRPC service of a summation server (also its health-check name).
 SERVICE_NAME = "jaxps.Summation"
 #: Trailing metadata of every rejection: the server's incarnation id, so a
@@ -185,7 +186,8 @@ def fingerprint(payload) -> int:
 # the number of ranks it is over) once the round is complete, or DATA_ERROR
 # with a message at any point. A call check (Header.signature) is a
 # DATA_OP_CHECK request whose name is `encode_check_name` of its signature,
-# call name and description.
+# call name and description; a piece that carries one (Header.check_key) is
+# a DATA_OP_PUSH_PULL_CHECKED request whose name is `encode_carrier_name`.
 
 DATA_MAGIC = b"JXPD"
 #: magic, protocol version, rank, nonce, mac.
@@ -198,8 +200,11 @@ DATA_REQUEST = struct.Struct("<BBHIQQQIId")
 DATA_REPLY = struct.Struct("<BBxxIIQ")
 DATA_OP_PUSH_PULL = 1
 DATA_OP_CHECK = 2
-DATA_OPS = (DATA_OP_PUSH_PULL, DATA_OP_CHECK)
+DATA_OP_PUSH_PULL_CHECKED = 3
+DATA_OPS = (DATA_OP_PUSH_PULL, DATA_OP_CHECK, DATA_OP_PUSH_PULL_CHECKED)
 _SIGNATURE = struct.Struct("<Q")
+#: signature, check key, check round
+_CARRIED = struct.Struct("<QQQ")
 DATA_OK, DATA_ACK, DATA_SUM, DATA_ERROR = 0, 1, 2, 3
 DATA_NONCE_BYTES = 16
 #: SO_SNDBUF of both ends of a data connection. Autotuned buffers of many
@@ -269,6 +274,33 @@ def decode_check_name(raw: bytes) -> tuple[int, str, str]:
     text = raw[_SIGNATURE.size :].decode(errors="replace")
     name, _, description = text.partition("\0")
     return signature, name, description
+
+
+def encode_carrier_name(header) -> bytes:
+    """The name field of a DATA_OP_PUSH_PULL_CHECKED request: the
+    signature, check key and check round (8 bytes each), then utf-8
+    ``name``, NUL, ``check_call``, NUL, ``description``, cut to
+    `DATA_MAX_TEXT`."""
+    head = _CARRIED.pack(header.signature, header.check_key, header.check_round)
+    text = f"{header.name}\0{header.check_call}\0{header.description}"
+    return (head + text.encode())[: DATA_MAX_TEXT - 1]
+
+
+def decode_carrier_name(raw: bytes, header) -> None:
+    """Sets ``name``, ``signature``, ``description``, ``check_key``,
+    ``check_round`` and ``check_call`` of `header` from the name field of a
+    DATA_OP_PUSH_PULL_CHECKED request."""
+    if len(raw) < _CARRIED.size:
+        raise Rejected(
+            "INVALID_ARGUMENT",
+            f"data frame: a carried call check of {len(raw)} bytes",
+        )
+    header.signature, header.check_key, header.check_round = (
+        _CARRIED.unpack_from(raw)
+    )
+    text = raw[_CARRIED.size :].decode(errors="replace")
+    header.name, _, rest = text.partition("\0")
+    header.check_call, _, header.description = rest.partition("\0")
 
 
 def data_mac(token: str | None, nonce: bytes, rank: int, job_id: str) -> bytes:

@@ -24,51 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bjaxps.proto\x12\x05jaxps\"\xd6\x01\n\x06Header\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0b\n\x03key\x18\x04 \x01(\x04\x12\r\n\x05round\x18\x05 \x01(\x04\x12\x1b\n\x05\x64type\x18\x06 \x01(\x0e\x32\x0c.jaxps.DType\x12\x0e\n\x06length\x18\x07 \x01(\x04\x12\x0c\n\x04name\x18\x08 \x01(\t\x12\x0f\n\x07session\x18\t \x01(\t\x12\x11\n\tsignature\x18\n \x01(\x06\x12\x13\n\x0b\x64\x65scription\x18\x0b \x01(\t\x12\r\n\x05\x61\x62ort\x18\x0c \x01(\t\"\x99\x01\n\x0cHelloRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x13\n\x0bnum_workers\x18\x04 \x01(\r\x12\x0f\n\x07session\x18\x05 \x01(\t\x12\x0f\n\x07init_id\x18\x06 \x01(\t\x12\x0f\n\x07timeout\x18\x07 \x01(\x01\x12\x12\n\ngeneration\x18\x08 \x01(\x04\"\xb7\x01\n\nHelloReply\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x13\n\x0bnum_workers\x18\x03 \x01(\r\x12\x0e\n\x06job_id\x18\x04 \x01(\t\x12\x12\n\nasync_mode\x18\x05 \x01(\x08\x12\x11\n\tdata_port\x18\x06 \x01(\r\x12\x12\n\ndata_nonce\x18\x07 \x01(\x0c\x12\x0f\n\x07session\x18\x08 \x01(\t\x12\x12\n\nshm_socket\x18\t \x01(\t\"*\n\x07ShmSlot\x12\x0f\n\x07segment\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"X\n\rAttachRequest\x12\x1d\n\x06header\x18\x01 \x01(\x0b\x32\r.jaxps.Header\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0e\n\x06\x63ookie\x18\x05 \x01(\x0cJ\x04\x08\x02\x10\x03J\x04\x08\x04\x10\x05\"3\n\x0b\x41ttachReply\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\x12\x0f\n\x07segment\x18\x02 \x01(\r\"@\n\rDetachRequest\x12\x1d\n\x06header\x18\x01 \x01(\x0b\x32\r.jaxps.Header\x12\x10\n\x08segments\x18\x02 \x03(\r\"\"\n\x0b\x44\x65tachReply\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\"m\n\x0bPushRequest\x12\x1d\n\x06header\x18\x01 \x01(\x0b\x32\r.jaxps.Header\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x07\x12\x1c\n\x04slot\x18\x04 \x01(\x0b\x32\x0e.jaxps.ShmSlot\" \n\tPushReply\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\"J\n\x0bPullRequest\x12\x1d\n\x06header\x18\x01 \x01(\x0b\x32\r.jaxps.Header\x12\x1c\n\x04slot\x18\x02 \x01(\x0b\x32\x0e.jaxps.ShmSlot\"+\n\nByeRequest\x12\x1d\n\x06header\x18\x01 \x01(\x0b\x32\r.jaxps.Header\"\x1f\n\x08\x42yeReply\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\"X\n\tPullReply\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x0f\n\x07in_slot\x18\x03 \x01(\x08\x12\x14\n\x0c\x63ontributors\x18\x04 \x01(\r\"=\n\x0bJoinRequest\x12\x1d\n\x06header\x18\x01 \x01(\x0b\x32\r.jaxps.Header\x12\x0f\n\x07timeout\x18\x02 \x01(\x01\"3\n\tJoinReply\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\x12\x11\n\tlast_rank\x18\x02 \x01(\r\"\xa8\x01\n\x11RendezvousRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0e\n\x06member\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x10\n\x08\x65xpected\x18\x05 \x01(\r\x12\x0e\n\x06settle\x18\x06 \x01(\x01\x12\x0f\n\x07timeout\x18\x07 \x01(\x01\x12\x0c\n\x04hint\x18\x08 \x01(\r\x12\r\n\x05probe\x18\t \x01(\x08\"\\\n\x0fRendezvousReply\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0f\n\x07members\x18\x03 \x03(\t\x12\x0f\n\x07waiting\x18\x04 \x01(\r*i\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT64\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\x0c\n\x08\x42\x46LOAT16\x10\x04\x12\t\n\x05INT32\x10\x05\x12\t\n\x05INT64\x10\x06\x32\xcb\x03\n\tSummation\x12/\n\x05Hello\x12\x13.jaxps.HelloRequest\x1a\x11.jaxps.HelloReply\x12,\n\x04Push\x12\x12.jaxps.PushRequest\x1a\x10.jaxps.PushReply\x12,\n\x04Pull\x12\x12.jaxps.PullRequest\x1a\x10.jaxps.PullReply\x12\x30\n\x08PushPull\x12\x12.jaxps.PushRequest\x1a\x10.jaxps.PullReply\x12\x32\n\x06\x41ttach\x12\x14.jaxps.AttachRequest\x1a\x12.jaxps.AttachReply\x12\x32\n\x06\x44\x65tach\x12\x14.jaxps.DetachRequest\x1a\x12.jaxps.DetachReply\x12)\n\x03\x42ye\x12\x11.jaxps.ByeRequest\x1a\x0f.jaxps.ByeReply\x12,\n\x04Join\x12\x12.jaxps.JoinRequest\x1a\x10.jaxps.JoinReply\x12>\n\nRendezvous\x12\x18.jaxps.RendezvousRequest\x1a\x16.jaxps.RendezvousReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bjaxps.proto\x12\x05jaxps\"\x92\x02\n\x06Header\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0b\n\x03key\x18\x04 \x01(\x04\x12\r\n\x05round\x18\x05 \x01(\x04\x12\x1b\n\x05\x64type\x18\x06 \x01(\x0e\x32\x0c.jaxps.DType\x12\x0e\n\x06length\x18\x07 \x01(\x04\x12\x0c\n\x04name\x18\x08 \x01(\t\x12\x0f\n\x07session\x18\t \x01(\t\x12\x11\n\tsignature\x18\n \x01(\x06\x12\x13\n\x0b\x64\x65scription\x18\x0b \x01(\t\x12\x11\n\tcheck_key\x18\r \x01(\x04\x12\x13\n\x0b\x63heck_round\x18\x0e \x01(\x04\x12\x12\n\ncheck_call\x18\x0f \x01(\t\x12\r\n\x05\x61\x62ort\x18\x0c \x01(\t\"\x99\x01\n\x0cHelloRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x13\n\x0bnum_workers\x18\x04 \x01(\r\x12\x0f\n\x07session\x18\x05 \x01(\t\x12\x0f\n\x07init_id\x18\x06 \x01(\t\x12\x0f\n\x07timeout\x18\x07 \x01(\x01\x12\x12\n\ngeneration\x18\x08 \x01(\x04\"\xb7\x01\n\nHelloReply\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x13\n\x0bnum_workers\x18\x03 \x01(\r\x12\x0e\n\x06job_id\x18\x04 \x01(\t\x12\x12\n\nasync_mode\x18\x05 \x01(\x08\x12\x11\n\tdata_port\x18\x06 \x01(\r\x12\x12\n\ndata_nonce\x18\x07 \x01(\x0c\x12\x0f\n\x07session\x18\x08 \x01(\t\x12\x12\n\nshm_socket\x18\t \x01(\t\"*\n\x07ShmSlot\x12\x0f\n\x07segment\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"X\n\rAttachRequest\x12\x1d\n\x06header\x18\x01 \x01(\x0b\x32\r.jaxps.Header\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0e\n\x06\x63ookie\x18\x05 \x01(\x0cJ\x04\x08\x02\x10\x03J\x04\x08\x04\x10\x05\"3\n\x0b\x41ttachReply\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\x12\x0f\n\x07segment\x18\x02 \x01(\r\"@\n\rDetachRequest\x12\x1d\n\x06header\x18\x01 \x01(\x0b\x32\r.jaxps.Header\x12\x10\n\x08segments\x18\x02 \x03(\r\"\"\n\x0b\x44\x65tachReply\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\"m\n\x0bPushRequest\x12\x1d\n\x06header\x18\x01 \x01(\x0b\x32\r.jaxps.Header\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x03 \x01(\x07\x12\x1c\n\x04slot\x18\x04 \x01(\x0b\x32\x0e.jaxps.ShmSlot\" \n\tPushReply\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\"J\n\x0bPullRequest\x12\x1d\n\x06header\x18\x01 \x01(\x0b\x32\r.jaxps.Header\x12\x1c\n\x04slot\x18\x02 \x01(\x0b\x32\x0e.jaxps.ShmSlot\"+\n\nByeRequest\x12\x1d\n\x06header\x18\x01 \x01(\x0b\x32\r.jaxps.Header\"\x1f\n\x08\x42yeReply\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\"X\n\tPullReply\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x0f\n\x07in_slot\x18\x03 \x01(\x08\x12\x14\n\x0c\x63ontributors\x18\x04 \x01(\r\"=\n\x0bJoinRequest\x12\x1d\n\x06header\x18\x01 \x01(\x0b\x32\r.jaxps.Header\x12\x0f\n\x07timeout\x18\x02 \x01(\x01\"3\n\tJoinReply\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\x12\x11\n\tlast_rank\x18\x02 \x01(\r\"\xa8\x01\n\x11RendezvousRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0e\n\x06member\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x04\x12\x10\n\x08\x65xpected\x18\x05 \x01(\r\x12\x0e\n\x06settle\x18\x06 \x01(\x01\x12\x0f\n\x07timeout\x18\x07 \x01(\x01\x12\x0c\n\x04hint\x18\x08 \x01(\r\x12\r\n\x05probe\x18\t \x01(\x08\"\\\n\x0fRendezvousReply\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12\x0f\n\x07members\x18\x03 \x03(\t\x12\x0f\n\x07waiting\x18\x04 \x01(\r*i\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT64\x10\x02\x12\x0b\n\x07\x46LOAT16\x10\x03\x12\x0c\n\x08\x42\x46LOAT16\x10\x04\x12\t\n\x05INT32\x10\x05\x12\t\n\x05INT64\x10\x06\x32\xcb\x03\n\tSummation\x12/\n\x05Hello\x12\x13.jaxps.HelloRequest\x1a\x11.jaxps.HelloReply\x12,\n\x04Push\x12\x12.jaxps.PushRequest\x1a\x10.jaxps.PushReply\x12,\n\x04Pull\x12\x12.jaxps.PullRequest\x1a\x10.jaxps.PullReply\x12\x30\n\x08PushPull\x12\x12.jaxps.PushRequest\x1a\x10.jaxps.PullReply\x12\x32\n\x06\x41ttach\x12\x14.jaxps.AttachRequest\x1a\x12.jaxps.AttachReply\x12\x32\n\x06\x44\x65tach\x12\x14.jaxps.DetachRequest\x1a\x12.jaxps.DetachReply\x12)\n\x03\x42ye\x12\x11.jaxps.ByeRequest\x1a\x0f.jaxps.ByeReply\x12,\n\x04Join\x12\x12.jaxps.JoinRequest\x1a\x10.jaxps.JoinReply\x12>\n\nRendezvous\x12\x18.jaxps.RendezvousRequest\x1a\x16.jaxps.RendezvousReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jaxps_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=1640
-  _globals['_DTYPE']._serialized_end=1745
+  _globals['_DTYPE']._serialized_start=1700
+  _globals['_DTYPE']._serialized_end=1805
   _globals['_HEADER']._serialized_start=23
-  _globals['_HEADER']._serialized_end=237
-  _globals['_HELLOREQUEST']._serialized_start=240
-  _globals['_HELLOREQUEST']._serialized_end=393
-  _globals['_HELLOREPLY']._serialized_start=396
-  _globals['_HELLOREPLY']._serialized_end=579
-  _globals['_SHMSLOT']._serialized_start=581
-  _globals['_SHMSLOT']._serialized_end=623
-  _globals['_ATTACHREQUEST']._serialized_start=625
-  _globals['_ATTACHREQUEST']._serialized_end=713
-  _globals['_ATTACHREPLY']._serialized_start=715
-  _globals['_ATTACHREPLY']._serialized_end=766
-  _globals['_DETACHREQUEST']._serialized_start=768
-  _globals['_DETACHREQUEST']._serialized_end=832
-  _globals['_DETACHREPLY']._serialized_start=834
-  _globals['_DETACHREPLY']._serialized_end=868
-  _globals['_PUSHREQUEST']._serialized_start=870
-  _globals['_PUSHREQUEST']._serialized_end=979
-  _globals['_PUSHREPLY']._serialized_start=981
-  _globals['_PUSHREPLY']._serialized_end=1013
-  _globals['_PULLREQUEST']._serialized_start=1015
-  _globals['_PULLREQUEST']._serialized_end=1089
-  _globals['_BYEREQUEST']._serialized_start=1091
-  _globals['_BYEREQUEST']._serialized_end=1134
-  _globals['_BYEREPLY']._serialized_start=1136
-  _globals['_BYEREPLY']._serialized_end=1167
-  _globals['_PULLREPLY']._serialized_start=1169
-  _globals['_PULLREPLY']._serialized_end=1257
-  _globals['_JOINREQUEST']._serialized_start=1259
-  _globals['_JOINREQUEST']._serialized_end=1320
-  _globals['_JOINREPLY']._serialized_start=1322
-  _globals['_JOINREPLY']._serialized_end=1373
-  _globals['_RENDEZVOUSREQUEST']._serialized_start=1376
-  _globals['_RENDEZVOUSREQUEST']._serialized_end=1544
-  _globals['_RENDEZVOUSREPLY']._serialized_start=1546
-  _globals['_RENDEZVOUSREPLY']._serialized_end=1638
-  _globals['_SUMMATION']._serialized_start=1748
-  _globals['_SUMMATION']._serialized_end=2207
+  _globals['_HEADER']._serialized_end=297
+  _globals['_HELLOREQUEST']._serialized_start=300
+  _globals['_HELLOREQUEST']._serialized_end=453
+  _globals['_HELLOREPLY']._serialized_start=456
+  _globals['_HELLOREPLY']._serialized_end=639
+  _globals['_SHMSLOT']._serialized_start=641
+  _globals['_SHMSLOT']._serialized_end=683
+  _globals['_ATTACHREQUEST']._serialized_start=685
+  _globals['_ATTACHREQUEST']._serialized_end=773
+  _globals['_ATTACHREPLY']._serialized_start=775
+  _globals['_ATTACHREPLY']._serialized_end=826
+  _globals['_DETACHREQUEST']._serialized_start=828
+  _globals['_DETACHREQUEST']._serialized_end=892
+  _globals['_DETACHREPLY']._serialized_start=894
+  _globals['_DETACHREPLY']._serialized_end=928
+  _globals['_PUSHREQUEST']._serialized_start=930
+  _globals['_PUSHREQUEST']._serialized_end=1039
+  _globals['_PUSHREPLY']._serialized_start=1041
+  _globals['_PUSHREPLY']._serialized_end=1073
+  _globals['_PULLREQUEST']._serialized_start=1075
+  _globals['_PULLREQUEST']._serialized_end=1149
+  _globals['_BYEREQUEST']._serialized_start=1151
+  _globals['_BYEREQUEST']._serialized_end=1194
+  _globals['_BYEREPLY']._serialized_start=1196
+  _globals['_BYEREPLY']._serialized_end=1227
+  _globals['_PULLREPLY']._serialized_start=1229
+  _globals['_PULLREPLY']._serialized_end=1317
+  _globals['_JOINREQUEST']._serialized_start=1319
+  _globals['_JOINREQUEST']._serialized_end=1380
+  _globals['_JOINREPLY']._serialized_start=1382
+  _globals['_JOINREPLY']._serialized_end=1433
+  _globals['_RENDEZVOUSREQUEST']._serialized_start=1436
+  _globals['_RENDEZVOUSREQUEST']._serialized_end=1604
+  _globals['_RENDEZVOUSREPLY']._serialized_start=1606
+  _globals['_RENDEZVOUSREPLY']._serialized_end=1698
+  _globals['_SUMMATION']._serialized_start=1808
+  _globals['_SUMMATION']._serialized_end=2267
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ INT32: DType
 INT64: DType
 
 class Header(_message.Message):
-    __slots__ = ("version", "job_id", "rank", "key", "round", "dtype", "length", "name", "session", "signature", "description", "abort")
+    __slots__ = ("version", "job_id", "rank", "key", "round", "dtype", "length", "name", "session", "signature", "description", "check_key", "check_round", "check_call", "abort")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,9 @@ class Header(_message.Message):
     SESSION_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    CHECK_KEY_FIELD_NUMBER: _ClassVar[int]
+    CHECK_ROUND_FIELD_NUMBER: _ClassVar[int]
+    CHECK_CALL_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     version: int
     job_id: str
@@ -49,8 +52,11 @@ class Header(_message.Message):
     session: str
     signature: int
     description: str
+    check_key: int
+    check_round: int
+    check_call: str
     abort: str
-    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., key: _Optional[int] = ..., round: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., name: _Optional[str] = ..., session: _Optional[str] = ..., signature: _Optional[int] = ..., description: _Optional[str] = ..., abort: _Optional[str] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., job_id: _Optional[str] = ..., rank: _Optional[int] = ..., key: _Optional[int] = ..., round: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., length: _Optional[int] = ..., name: _Optional[str] = ..., session: _Optional[str] = ..., signature: _Optional[int] = ..., description: _Optional[str] = ..., check_key: _Optional[int] = ..., check_round: _Optional[int] = ..., check_call: _Optional[str] = ..., abort: _Optional[str] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
     __slots__ = ("version", "job_id", "rank", "num_workers", "session", "init_id", "timeout", "generation")

@@ -96,11 +96,16 @@ def make_plan(
     partition_bytes: int,
     weights: list[float],
     hosts: list[int] | tuple[int, ...] = (),
+    salt: int | None = None,
 ) -> list[Piece]:
     """Cuts, fuses and assigns the tensors of one push_pull.
 
     `hosts` is the host of each server (`topology.host_index`); without it
-    every server is its own host.
+    every server is its own host. `salt` breaks ties of the assignment
+    (`topology.assign_servers`; default: from the first name): with the
+    `topology.tensor_id` of the call's name, a call of one piece goes to
+    the server of its call check (`CallCheck.server`), which the piece
+    then carries.
     """
     drafts: list[_Draft] = []
     buckets: dict[str, list[Member]] = {}  # dtype -> the open bucket
@@ -135,7 +140,8 @@ def make_plan(
         drafts.append(_fuse(names, members, priorities))
 
     nbytes = [d.length * itemsizes[d.members[0].tensor] for d in drafts]
-    salt = topology.tensor_id(names[0]) if names else 0
+    if salt is None:
+        salt = topology.tensor_id(names[0]) if names else 0
     servers = topology.assign_servers(nbytes, weights, salt=salt)
     return [
         Piece(
@@ -277,10 +283,16 @@ class CallCheck(NamedTuple):
     signature: int
     description: str
 
+    @property
+    def salt(self) -> int:
+        """The `make_plan` salt that sends a call of one piece to the
+        check's `server`."""
+        return topology.tensor_id(self.call)
+
     def server(self, num_servers: int) -> int:
         """The server the check goes to: chosen from `call` alone, so every
         rank's check lands on the same one whatever its plan."""
-        return topology.tensor_id(self.call) % num_servers
+        return self.salt % num_servers
 
 
 def _split_leaf(name: str, strip_path: bool = True) -> tuple[str, str, str]:

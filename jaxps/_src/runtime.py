@@ -11,13 +11,14 @@ Each call says what it expects of the servers (`MODES`: sums, or async
 parameters); empty arrays send nothing; a name that comes with a new size
 or dtype gets new keys (a generation, see `Runtime._begin`).
 
-With more than one worker every call also sends a one-element *call check*
-(`plan.call_check`, on that server's transport like any chunk) to a server
-chosen from the call's name alone, carrying a hash of its names, shapes
-and dtypes: a rank that pushes another tree under the same name fails the
-call on every rank at once (`errors.MismatchError`), instead of each
-waiting for the timeout on keys the others never push. Async servers get
-no check.
+With more than one worker every call also carries a *call check*
+(`plan.call_check`) to a server chosen from the call's name alone: a hash
+of its names, shapes and dtypes, in the header of the call's first piece
+to that server (the plan sends a call of one piece there), else as a
+one-element push of its own. A rank that pushes another tree under the
+same name fails the call on every rank at once (`errors.MismatchError`),
+instead of each waiting for the timeout on keys the others never push.
+Async servers get no check.
 
 `Runtime.join` is `jaxps.join`: the rank stops pushing, the servers
 complete rounds without it and say over how many ranks each sum is, which
@@ -604,6 +605,8 @@ class Runtime:
                 live_flats,
                 tuple(priorities[i] for i in live),
                 partition,
+                # a call of one piece goes where its check does: it carries it
+                None if check is None else check.salt,
             )
             laid_out, live_outs = plan.buffers(
                 pieces, live_flats, self._outputs
@@ -619,11 +622,12 @@ class Runtime:
         for i, out in zip(live, live_outs):
             outs[i] = out
         divisor = self.size if average else None
+        carrier = -1 if check is None else self._carrier(pieces, check)
         handle = Handle(
             list(names),
             outs,
             shapes,
-            len(pieces) + (check is not None),
+            len(pieces) + (check is not None and carrier < 0),
             lambda: self._end(names, handle),
             timeout,
             self.timeline,
@@ -632,7 +636,7 @@ class Runtime:
         with self._lock:
             self._live.add(handle)
         seq = next(self._seq)
-        if check is not None:  # first: a mismatch is found at once
+        if check is not None and carrier < 0:  # first: found at once
             self._send_check(handle, check, rounds[check.wire_name], seq)
         for i, (piece, (source, dest)) in enumerate(zip(pieces, laid_out)):
             header = pb.Header(
@@ -648,8 +652,16 @@ class Runtime:
             transport = self._transports[
                 piece.server * self._channels + i % self._channels
             ]
+            owner, order = handle, -piece.priority
+            if i == carrier:  # carries the check, and goes out first
+                header.signature = check.signature
+                header.description = check.description
+                header.check_key = check.key
+                header.check_round = rounds[check.wire_name]
+                header.check_call = check.call
+                owner, order = _CheckOf(handle), -math.inf
             chunk = Chunk(
-                handle,
+                owner,
                 source,
                 dest,
                 header,
@@ -657,8 +669,19 @@ class Runtime:
                 transport,
                 private=donate or piece.fused,
             )
-            self._sender.put((-piece.priority, seq, i), chunk)
+            self._sender.put((order, seq, i), chunk)
         return handle
+
+    def _carrier(self, pieces: list[plan.Piece], check: plan.CallCheck) -> int:
+        """The index of the piece that carries the call check: the first
+        to go out of those on the check's server; -1 if none goes there
+        (then the check is a one-element push of its own)."""
+        server = check.server(len(self._transports) // self._channels)
+        best, found = (math.inf, 0), -1
+        for i, piece in enumerate(pieces):
+            if piece.server == server and (-piece.priority, i) < best:
+                best, found = (-piece.priority, i), i
+        return found
 
     def _send_check(
         self, handle: Handle, check: plan.CallCheck, number: int, seq: int
@@ -748,11 +771,12 @@ class Runtime:
             self._checks[sig] = check
         return check
 
-    def _plan(self, names, flats, priorities, partition):
+    def _plan(self, names, flats, priorities, partition, salt=None):
         sig = (
             tuple((n, f.size, f.dtype.str) for n, f in zip(names, flats)),
             priorities,
             partition,
+            salt,
         )
         pieces = self._plans.get(sig)
         if pieces is None:
@@ -765,6 +789,7 @@ class Runtime:
                 partition_bytes=partition,
                 weights=self.weights,
                 hosts=self.hosts,
+                salt=salt,
             )
             self._plans[sig] = pieces
         return pieces

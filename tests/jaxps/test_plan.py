@@ -104,3 +104,28 @@ def test_buffers_gather_fused_pieces_and_outputs_view_their_dest():
     fused = next(p for p in pieces if p.fused)
     assert [m.tensor for m in fused.members] == [0, 2]
     assert not np.shares_memory(laid_out[pieces.index(fused)].source, flats[0])
+
+
+def test_a_call_of_one_piece_goes_to_its_check_server():
+    # so the piece carries the call check, instead of a check of its own
+    from jaxps._src.plan import call_check
+
+    for servers in (2, 3, 5):
+        for i in range(40):
+            names = [
+                f"grads{i}['w']:float32[3]@0",
+                f"grads{i}['b']:float32[2]@0",
+            ]
+            check = call_check(names, [(3,), (2,)], ["float32"] * 2)
+            pieces = make_plan(
+                names,
+                [3, 2],
+                ["<f4"] * 2,
+                [4, 4],
+                [0, -1],
+                partition_bytes=1 << 20,
+                weights=[1.0] * servers,
+                salt=check.salt,
+            )
+            assert len(pieces) == 1
+            assert pieces[0].server == check.server(servers)

@@ -160,7 +160,16 @@ def test_server_survives_malformed_frames(module_server, data):
     reply = hello(server.address, rank=1)
     kind = data.draw(
         st.sampled_from(
-            ["random", "op", "rank", "dtype", "length", "huge", "check"]
+            [
+                "random",
+                "op",
+                "rank",
+                "dtype",
+                "length",
+                "huge",
+                "check",
+                "carried",
+            ]
         )
     )
     key = data.draw(st.integers(100, 2**40))
@@ -168,7 +177,7 @@ def test_server_survives_malformed_frames(module_server, data):
         frame = data.draw(st.binary(max_size=200))
     elif kind == "op":
         frame = (
-            bytes([data.draw(st.integers(3, 255))])
+            bytes([data.draw(st.integers(max(_wire.DATA_OPS) + 1, 255))])
             + request(rank=1, key=key)[1:]
         )
     elif kind == "rank":
@@ -178,7 +187,7 @@ def test_server_survives_malformed_frames(module_server, data):
         frame = request(rank=1, key=key, dtype=dtype, length=1) + b"\0"
     elif kind == "length":
         frame = request(rank=1, key=key, length=0)
-    elif kind == "check":  # a call check whose name field is any bytes
+    elif kind in ("check", "carried"):  # a name field of any bytes
         x = np.ones(1, np.float32)
         frame = (
             request(
@@ -187,7 +196,9 @@ def test_server_survives_malformed_frames(module_server, data):
                 length=1,
                 name=data.draw(st.binary(max_size=300)),
                 checksum=_wire.fingerprint(x),
-                op=_wire.DATA_OP_CHECK,
+                op=_wire.DATA_OP_CHECK
+                if kind == "check"
+                else _wire.DATA_OP_PUSH_PULL_CHECKED,
             )
             + x.tobytes()
         )
@@ -208,6 +219,12 @@ def test_server_survives_malformed_frames(module_server, data):
             answer = None  # closed: fine for a stream it cannot parse
     if kind == "check":  # accepted (it waits for rank 0's push)
         assert answer is not None and answer[0] == _wire.DATA_ACK, answer
+    if kind == "carried":  # accepted, or refused: too short, or a mismatch
+        assert answer is not None, answer
+        assert answer[0] == _wire.DATA_ACK or answer[:2] == (
+            _wire.DATA_ERROR,
+            "INVALID_ARGUMENT",
+        ), answer
     if kind in ("op", "rank", "dtype", "length", "huge"):
         assert answer is not None and answer[0] == _wire.DATA_ERROR, answer
         assert answer[1] in (

@@ -299,6 +299,12 @@ def test_server_survives_malformed_requests(module_server, data):
             length=1,
             signature=data.draw(st.integers(0, 2**64 - 1)),
             description=data.draw(st.text(max_size=2000)),
+            # a check of its own, or one a piece carries
+            check_key=data.draw(
+                st.one_of(st.just(0), st.integers(1, 2**64 - 1))
+            ),
+            check_round=data.draw(st.integers(0, 2**64 - 1)),
+            check_call=data.draw(st.text(max_size=100)),
         )
         payload = np.ones(1, np.float32)
         raw = _codec.encode_push(h, payload, _wire.fingerprint(payload))
@@ -339,8 +345,13 @@ def test_server_survives_malformed_requests(module_server, data):
             grpc.StatusCode.FAILED_PRECONDITION,
         ), (code, details)
         assert "timeout" in details or "epoch" in details, details
-    if kind == "signature":  # accepted: it waits for rank 1 in its round
-        assert code == grpc.StatusCode.OK, (code, details)
+    if kind == "signature" and not h.check_key:  # accepted: it waits for
+        assert code == grpc.StatusCode.OK, (code, details)  # rank 1
+    if kind == "signature" and h.check_key:  # or met an earlier example's
+        assert code == grpc.StatusCode.OK or (
+            code == grpc.StatusCode.INVALID_ARGUMENT
+            and details.startswith(_wire.MISMATCH_PREFIX)
+        ), (code, details)
     assert server.proc.poll() is None
 
 

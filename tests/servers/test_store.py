@@ -448,6 +448,78 @@ def test_a_differing_call_check_fails_the_round_for_everyone():
     assert store.pull(key=99, round=1, rank=0, dtype_code=5, length=1)[1]
 
 
+def carry(store, key, rnd, rank, array, signature, description, number=0):
+    """A push of `array` that carries the call check (key 99, `number`)."""
+    payload = array.tobytes()
+    ticket = store.begin_push(
+        key=key,
+        round=rnd,
+        rank=rank,
+        dtype_code=_wire.dtype_code(array.dtype),
+        length=array.size,
+        payload=payload,
+        checksum=_wire.checksum(payload),
+        name=f"t{key}",
+        signature=signature,
+        description=description,
+        check_key=99,
+        check_round=number,
+        check_call="grads@0",
+    )
+    if ticket is not None:
+        ticket.run()
+        store.finish_push(ticket)
+    return ticket
+
+
+def test_checks_carried_by_pieces_that_agree_cost_nothing_more():
+    store = Store(2)
+    x = np.arange(4, dtype=np.float32)
+    for number in range(3):  # rounds of the data and of the check
+        for rank in range(2):
+            carry(store, 7, number, rank, x, 11, "['w'] float32[4]", number)
+        for rank in range(2):
+            np.testing.assert_array_equal(
+                pull(store, 7, number, rank, x), 2 * x
+            )
+    assert store.pending_rounds() == 0 and not store._signed
+
+
+@pytest.mark.parametrize("same_key", [True, False])
+def test_a_carried_check_that_differs_fails_every_carrier(same_key):
+    store = Store(2)
+    x = np.ones(4, np.float32)
+    carry(store, 7, 0, 0, x, 11, "['w'] float32[4]")
+    other = np.ones(5, np.float32)  # another length: named as a mismatch
+    with pytest.raises(StoreError) as err:
+        carry(store, 7 if same_key else 8, 0, 1, other, 12, "['w'] float32[5]")
+    message = err.value.message
+    assert message.startswith(_wire.MISMATCH_PREFIX), message
+    assert "'grads@0'" in message
+    assert "rank 0 pushed [['w'] float32[4]]" in message
+    assert "rank 1 pushed [['w'] float32[5]]" in message
+    # rank 0, waiting on its piece's round, hears the same at once
+    with pytest.raises(StoreError, match="rank 1 pushed") as waiting:
+        pull(store, 7, 0, 0, x)
+    assert _wire.MISMATCH_PREFIX in waiting.value.message
+
+
+def test_a_check_of_its_own_meets_a_carried_one():
+    # a rank whose plan sends no piece to the check's server checks alone
+    store = Store(2)
+    check(store, 0, 0, 11, "['w'] float32[4]").run()
+    with pytest.raises(StoreError, match="rank 1 pushed"):
+        carry(store, 7, 0, 1, np.ones(5, np.float32), 12, "['w'] float32[5]")
+    with pytest.raises(StoreError, match="rank 1 pushed"):  # rank 0 hears it
+        store.pull(key=99, round=0, rank=0, dtype_code=5, length=1)
+    store = Store(2)  # the other way round
+    carry(store, 7, 0, 0, np.ones(4, np.float32), 11, "['w'] float32[4]")
+    with pytest.raises(StoreError, match="rank 1 pushed"):
+        check(store, 0, 1, 12, "['w'] float32[5]")
+    with pytest.raises(StoreError, match="rank 1 pushed"):
+        pull(store, 7, 0, 0, np.ones(4, np.float32))
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("summed_before_join", [False, True])
 def test_join_completes_a_waiting_round_over_the_others(

@@ -184,7 +184,10 @@ class DataConnection:
             raise self._broken
         rid = next(self._ids) & 0xFFFFFFFF
         op = _wire.DATA_OP_PUSH_PULL
-        if header.signature:  # a call check
+        if header.check_key:  # a piece that carries its call's check
+            op = _wire.DATA_OP_PUSH_PULL_CHECKED
+            name = _wire.encode_carrier_name(header)
+        elif header.signature:  # a call check
             op = _wire.DATA_OP_CHECK
             name = _wire.encode_check_name(
                 header.signature, header.name, header.description
