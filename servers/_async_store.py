@@ -170,10 +170,12 @@ class AsyncStore:
         self._keys.check_schema(k, dtype_code, length)
         return None, self._answer(k, held, raw, into)
 
-    def collect(self, key, rnd, rank, raw=False, into=None, now=None):
+    def collect(
+        self, key, rnd, rank, raw=False, into=None, now=None, until=0.0
+    ):
         """Answers the current value: `pull` never leaves a pull waiting,
         so there is no round to collect."""
-        del rnd, rank, now
+        del rnd, rank, now, until
         return self._answer(self._keys.get(key), self._held[key], raw, into)
 
     def _answer(self, k: Key, held: _Held, raw: bool, into):

@@ -55,6 +55,9 @@ class Round:
     total: np.ndarray | None = None  # the finished sum, in the wire dtype
     # -- event loop state ------------------------------------------------------
     pushed: dict[int, int] = dataclasses.field(default_factory=dict)
+    # the call checks its pushes carried (`_store._Signed`): its sum is
+    # answered only once each is agreed on by every rank, or fails with it
+    signs: list = dataclasses.field(default_factory=list)
     encoded: bytes | None = None  # `total` encoded once for every puller
     pulled: set[int] = dataclasses.field(default_factory=set)
     error: _wire.Rejected | None = None

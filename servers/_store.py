@@ -113,6 +113,7 @@ class PushPullStore(Protocol):
         raw: bool = False,
         into=None,
         now: float | None = None,
+        until: float = 0.0,
     ) -> Any: ...
 
     def expire(self, now: float | None = None) -> int: ...
@@ -309,6 +310,26 @@ def _dtype(key: int, dtype_code: int) -> np.dtype:
         ) from None
 
 
+def _check_pending(rnd: Round) -> bool:
+    """Whether a call check that `rnd` carried is neither agreed on nor
+    failed yet."""
+    return any(not s.agreed and s.error is None for s in rnd.signs)
+
+
+def _carried_mismatch(
+    call: str, number: int, rank: int, err: StoreError, signed
+) -> StoreError:
+    """The error of a piece that carried a call check and that another
+    rank's push of its key contradicts (`err`): their trees differ."""
+    mine = signed.description if signed.rank == rank else "its tree"
+    return StoreError(
+        "INVALID_ARGUMENT",
+        f"{_wire.MISMATCH_PREFIX}push_pull {call!r} (round {number}) "
+        f"differs between ranks: rank {rank} pushed [{mine}] and another "
+        f"rank pushed a piece of it otherwise: {err.message}",
+    )
+
+
 @dataclasses.dataclass(eq=False)
 class _Signed:
     """One round of a call check (`Store._sign`): its first signature,
@@ -318,9 +339,13 @@ class _Signed:
     signature: int
     rank: int
     description: str
+    call: str
+    number: int
+    started: float
     ranks: set[int] = dataclasses.field(default_factory=set)
     carriers: set[tuple[int, int]] = dataclasses.field(default_factory=set)
     error: StoreError | None = None
+    agreed: bool = False  # every rank signed the same
 
 
 class Store:
@@ -415,9 +440,10 @@ class Store:
         pulls the round: the sum is made or left in it, and that pull must
         name the same buffer.
         """
+        signed = None
         if check_key:  # first: a mismatch is named, not a length
             self.check_rank(rank)
-            self._sign(
+            signed = self._sign(
                 check_key,
                 check_round,
                 rank,
@@ -426,9 +452,17 @@ class Store:
                 check_call,
                 carrier=(key, round),
             )
-        dtype = self._keys.check_payload(
-            key, rank, dtype_code, length, payload, name
-        )
+        try:
+            dtype = self._keys.check_payload(
+                key, rank, dtype_code, length, payload, name
+            )
+        except StoreError as err:
+            if signed is None or err.code != "INVALID_ARGUMENT":
+                raise
+            # another rank pushed this key otherwise: another tree
+            raise _carried_mismatch(
+                check_call, check_round, rank, err, signed
+            ) from None
         if rank in self.joined:
             raise StoreError(
                 "FAILED_PRECONDITION",
@@ -440,7 +474,11 @@ class Store:
             k = self._keys.add(key, dtype_code, length, name)
         except StoreError as err:
             self._poison(key, round, err)
-            raise
+            if signed is None or err.code != "INVALID_ARGUMENT":
+                raise
+            raise _carried_mismatch(
+                check_call, check_round, rank, err, signed
+            ) from None
         if k.done == -1 and not k.rounds and k.last is None:
             # A new key starts at the round of its first push (a key freed
             # after idling, or a worker that re-pushes to a new server).
@@ -462,6 +500,8 @@ class Store:
             return None  # an identical retry: acknowledged, not summed again
         if signature and not check_key:  # a check of its own
             self._sign(key, round, rank, signature, description, k.name)
+        if signed is not None and not signed.agreed:
+            rnd.signs.append(signed)  # its sum waits for the check
         rnd.pushed[rank] = checksum
         if round > self.last_round_by_rank.get(rank, -1):
             self.last_round_by_rank[rank] = round
@@ -478,17 +518,22 @@ class Store:
         description: str,
         call: str,
         carrier: tuple[int, int] | None = None,
-    ) -> None:
+        now: float | None = None,
+    ) -> _Signed:
         """Keeps the first signature of round `number` of a call check; one
         that differs fails that round, and the round of every piece that
         carried a signature of it (`carrier`: this push's key and round),
-        for every rank, naming both ranks and trees."""
+        for every rank, naming both ranks and trees. Returns the round's
+        record; a carrier's sum waits until it is `agreed` (see `pull`)."""
         rounds = self._signed.setdefault(check_key, {})
         signed = rounds.get(number)
         if signed is None:
             for old in [n for n in rounds if n < number - self.round_window]:
                 del rounds[old]  # a rank that left, or a failed round
-            signed = rounds[number] = _Signed(signature, rank, description)
+            now = time.monotonic() if now is None else now
+            signed = rounds[number] = _Signed(
+                signature, rank, description, call, number, now
+            )
         if carrier is not None:
             signed.carriers.add(carrier)
         if signed.error is None and signature != signed.signature:
@@ -506,14 +551,54 @@ class Store:
                 f"trees ([{signed.description}], then [{description}]).",
             )
         if signed.error is not None:
-            for key, rnd in (*signed.carriers, (check_key, number)):
-                self._poison(key, rnd, signed.error)
+            self._settle(signed, (check_key, number))
             raise signed.error
         signed.ranks.add(rank)
-        if len(signed.ranks) >= self.num_workers - len(self.joined):
-            del rounds[number]  # every rank agreed
+        self._agree_if_all(check_key, signed)
+        return signed
+
+    def _agree_if_all(self, check_key: int, signed: _Signed) -> None:
+        """Settles `signed` if every rank (that has not joined) signed."""
+        if len(signed.ranks) < self.num_workers - len(self.joined):
+            return
+        signed.agreed = True
+        rounds = self._signed.get(check_key, {})
+        if rounds.get(signed.number) is signed:
+            del rounds[signed.number]
             if not rounds:
                 del self._signed[check_key]
+        self._settle(signed)
+
+    def _settle(self, signed: _Signed, *more: tuple[int, int]) -> None:
+        """Wakes the pulls of the rounds that carried `signed` (and of the
+        rounds `more`), which it now lets through or fails."""
+        for key, number in (*signed.carriers, *more):
+            k = self._keys.get(key)
+            rnd = None if k is None else k.rounds.get(number)
+            if rnd is None:
+                continue
+            if signed.error is not None:
+                rnd.fail(
+                    StoreError(
+                        signed.error.code,
+                        f"round {number} failed: {signed.error.message}",
+                    )
+                )
+                self._wake(rnd)
+            elif rnd.total is not None and not _check_pending(rnd):
+                self._wake(rnd)  # summed, and now agreed on
+
+    @staticmethod
+    def _waits_for_check(rnd: Round) -> _Signed | None:
+        """The call check a complete round's sum still waits for (None: it
+        may be answered); raises the check's error if it failed."""
+        for signed in rnd.signs:
+            if signed.error is not None:
+                raise signed.error
+            if not signed.agreed:
+                return signed
+        rnd.signs = []
+        return None
 
     def finish_push(
         self, ticket: PushTicket, error: BaseException | None = None
@@ -531,7 +616,8 @@ class Store:
             self._poison(ticket.key.key, rnd.number, error)
         elif rnd.total is not None:
             self.rounds_completed += 1
-            self._wake(rnd)
+            if not _check_pending(rnd):  # else once its check is agreed on
+                self._wake(rnd)
 
     # -- pulls -------------------------------------------------------------
 
@@ -572,6 +658,8 @@ class Store:
             raise rnd.error
         if rnd.total is None:
             return rnd, None
+        if rnd.signs and self._waits_for_check(rnd) is not None:
+            return rnd, None
         return rnd, self._take(k, rnd, rank, raw, into)
 
     def collect(
@@ -582,15 +670,33 @@ class Store:
         raw: bool = False,
         into=None,
         now: float | None = None,
-    ) -> bytes | np.ndarray:
+        until: float = 0.0,
+    ) -> bytes | np.ndarray | None:
         """Returns the sum of a round that `rank` waited for, as `pull`
         does; fails the round first if it is past its deadline at `now`,
-        and raises DEADLINE_EXCEEDED if it is still incomplete."""
+        and raises DEADLINE_EXCEEDED if it is still incomplete. A complete
+        round whose call check is not yet agreed on returns None before
+        `until` (wait again) and raises DEADLINE_EXCEEDED after it."""
         now = time.monotonic() if now is None else now
         self.fail_if_late(key, rnd, now)
         if rnd.error is not None:
             raise rnd.error
         k = self._keys.get(key)
+        waiting = None
+        if rnd.total is not None and rnd.signs:
+            waiting = self._waits_for_check(rnd)
+        if waiting is not None:
+            if now < min(until, rnd.deadline):
+                return None
+            missing = sorted(
+                set(range(self.num_workers)) - waiting.ranks - self.joined
+            )
+            raise StoreError(
+                "DEADLINE_EXCEEDED",
+                f"round {rnd.number} of key {k.label} is summed, but the call "
+                f"check it carried (push_pull {waiting.call!r} round "
+                f"{waiting.number}) still waits for rank(s) {missing}.",
+            )
         if rnd.total is None:
             missing = self._missing(rnd)
             raise StoreError(
@@ -676,6 +782,12 @@ class Store:
         """Fails incomplete rounds past their deadline; returns how many."""
         now = time.monotonic() if now is None else now
         failed = 0
+        for check_key, rounds in list(self._signed.items()):
+            for number, signed in list(rounds.items()):
+                if now >= signed.started + 2 * self.round_timeout:
+                    del rounds[number]  # e.g. a retry after all agreed
+            if not rounds:
+                del self._signed[check_key]
         for k in self._keys:
             for rnd in list(k.rounds.values()):
                 if rnd.total is None and rnd.error is None:
@@ -747,6 +859,10 @@ class Store:
         returns how many completed now."""
         self.joined = frozenset(ranks)
         others = set(range(self.num_workers)) - self.joined
+        for check_key, rounds in list(self._signed.items()):
+            for signed in list(rounds.values()):
+                if signed.error is None:  # fewer ranks must sign now
+                    self._agree_if_all(check_key, signed)
         completed = 0
         for k in self._keys:
             dtype = _wire.code_dtype(k.dtype_code)

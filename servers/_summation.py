@@ -395,9 +395,16 @@ class Summation:
             timeout = s.members[h.rank].timeout
             if timeout > 0:
                 deadline = min(deadline, time.monotonic() + timeout)
+        while result is None:  # again while its call check is not agreed
             await self._wait(s, rnd, deadline)
             result = store.collect(
-                h.key, rnd, h.rank, raw=raw, into=into, now=time.monotonic()
+                h.key,
+                rnd,
+                h.rank,
+                raw=raw,
+                into=into,
+                now=time.monotonic(),
+                until=deadline,
             )
         if s.contest is not None:
             await self._settled(s, h, deadline)

@@ -203,8 +203,8 @@ DATA_OP_CHECK = 2
 DATA_OP_PUSH_PULL_CHECKED = 3
 DATA_OPS = (DATA_OP_PUSH_PULL, DATA_OP_CHECK, DATA_OP_PUSH_PULL_CHECKED)
 _SIGNATURE = struct.Struct("<Q")
-#: signature, check key, check round
-_CARRIED = struct.Struct("<QQQ")
+#: signature, check key, check round, bytes of the name and of the call
+_CARRIED = struct.Struct("<QQQII")
 DATA_OK, DATA_ACK, DATA_SUM, DATA_ERROR = 0, 1, 2, 3
 DATA_NONCE_BYTES = 16
 #: SO_SNDBUF of both ends of a data connection. Autotuned buffers of many
@@ -278,12 +278,20 @@ def decode_check_name(raw: bytes) -> tuple[int, str, str]:
 
 def encode_carrier_name(header) -> bytes:
     """The name field of a DATA_OP_PUSH_PULL_CHECKED request: the
-    signature, check key and check round (8 bytes each), then utf-8
-    ``name``, NUL, ``check_call``, NUL, ``description``, cut to
-    `DATA_MAX_TEXT`."""
-    head = _CARRIED.pack(header.signature, header.check_key, header.check_round)
-    text = f"{header.name}\0{header.check_call}\0{header.description}"
-    return (head + text.encode())[: DATA_MAX_TEXT - 1]
+    signature, check key and check round (8 bytes each), the byte lengths
+    of ``name`` and ``check_call`` (4 bytes each), then utf-8 ``name``,
+    ``check_call`` and ``description``, cut to `DATA_MAX_TEXT`."""
+    name = header.name.encode()[: DATA_MAX_TEXT // 4]
+    call = header.check_call.encode()[: DATA_MAX_TEXT // 4]
+    head = _CARRIED.pack(
+        header.signature,
+        header.check_key,
+        header.check_round,
+        len(name),
+        len(call),
+    )
+    raw = head + name + call + header.description.encode()
+    return raw[: DATA_MAX_TEXT - 1]
 
 
 def decode_carrier_name(raw: bytes, header) -> None:
@@ -295,12 +303,26 @@ def decode_carrier_name(raw: bytes, header) -> None:
             "INVALID_ARGUMENT",
             f"data frame: a carried call check of {len(raw)} bytes",
         )
-    header.signature, header.check_key, header.check_round = (
-        _CARRIED.unpack_from(raw)
+    (
+        header.signature,
+        header.check_key,
+        header.check_round,
+        name_len,
+        call_len,
+    ) = _CARRIED.unpack_from(raw)
+    at = _CARRIED.size
+    if at + name_len + call_len > len(raw):
+        raise Rejected(
+            "INVALID_ARGUMENT",
+            f"data frame: a carried call check names {name_len} + "
+            f"{call_len} bytes in {len(raw) - at}",
+        )
+    text = raw[at:]
+    header.name = text[:name_len].decode(errors="replace")
+    header.check_call = text[name_len : name_len + call_len].decode(
+        errors="replace"
     )
-    text = raw[_CARRIED.size :].decode(errors="replace")
-    header.name, _, rest = text.partition("\0")
-    header.check_call, _, header.description = rest.partition("\0")
+    header.description = text[name_len + call_len :].decode(errors="replace")
 
 
 def data_mac(token: str | None, nonce: bytes, rank: int, job_id: str) -> bytes:

@@ -14,10 +14,11 @@ or dtype gets new keys (a generation, see `Runtime._begin`).
 With more than one worker every call also carries a *call check*
 (`plan.call_check`) to a server chosen from the call's name alone: a hash
 of its names, shapes and dtypes, in the header of the call's first piece
-to that server (the plan sends a call of one piece there), else as a
-one-element push of its own. A rank that pushes another tree under the
-same name fails the call on every rank at once (`errors.MismatchError`),
-instead of each waiting for the timeout on keys the others never push.
+to that server (with servers of equal weight the plan sends a call of one
+piece there), else as a one-element push of its own. A rank that pushes
+another tree under the same name fails the call on every rank at once
+(`errors.MismatchError`), instead of each waiting for the timeout on keys
+the others never push.
 Async servers get no check.
 
 `Runtime.join` is `jaxps.join`: the rank stops pushing, the servers
@@ -652,14 +653,14 @@ class Runtime:
             transport = self._transports[
                 piece.server * self._channels + i % self._channels
             ]
-            owner, order = handle, -piece.priority
-            if i == carrier:  # carries the check, and goes out first
+            owner = handle
+            if i == carrier:  # carries the check (the error that wins)
                 header.signature = check.signature
                 header.description = check.description
                 header.check_key = check.key
                 header.check_round = rounds[check.wire_name]
                 header.check_call = check.call
-                owner, order = _CheckOf(handle), -math.inf
+                owner = _CheckOf(handle)
             chunk = Chunk(
                 owner,
                 source,
@@ -669,12 +670,13 @@ class Runtime:
                 transport,
                 private=donate or piece.fused,
             )
-            self._sender.put((order, seq, i), chunk)
+            self._sender.put((-piece.priority, seq, i), chunk)
         return handle
 
     def _carrier(self, pieces: list[plan.Piece], check: plan.CallCheck) -> int:
         """The index of the piece that carries the call check: the first
-        to go out of those on the check's server; -1 if none goes there
+        to go out of those on the check's server (in its own turn: a piece
+        of a later call does not jump the queue); -1 if none goes there
         (then the check is a one-element push of its own)."""
         server = check.server(len(self._transports) // self._channels)
         best, found = (math.inf, 0), -1

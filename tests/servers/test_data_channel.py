@@ -287,3 +287,26 @@ def test_check_names_round_trip():
     assert _wire.decode_check_name(b"abc") == (0, "abc", "")
     long = _wire.encode_check_name(1, "c", "x" * 100_000)
     assert len(long) < _wire.DATA_MAX_TEXT
+
+
+def test_carrier_names_round_trip_whatever_their_text():
+    from jaxps.servers import jaxps_pb2 as pb
+
+    sent = pb.Header(
+        name="\0tune:probe[0]",  # the tuning probes' names start with NUL
+        signature=2**64 - 1,
+        description="['w'] float32[3]\0x",
+        check_key=2**63,
+        check_round=7,
+        check_call="\0tune:probe@0",
+    )
+    got = pb.Header()
+    _wire.decode_carrier_name(_wire.encode_carrier_name(sent), got)
+    assert got == sent
+    sent.description = "x" * 100_000  # cut, never the head
+    raw = _wire.encode_carrier_name(sent)
+    assert len(raw) < _wire.DATA_MAX_TEXT
+    _wire.decode_carrier_name(raw, got)
+    assert (got.name, got.check_call) == (sent.name, sent.check_call)
+    with pytest.raises(_wire.Rejected, match="carried call check"):
+        _wire.decode_carrier_name(raw[:10], got)

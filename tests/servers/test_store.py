@@ -504,6 +504,59 @@ def test_a_carried_check_that_differs_fails_every_carrier(same_key):
     assert _wire.MISMATCH_PREFIX in waiting.value.message
 
 
+@pytest.mark.parametrize("agree", [True, False])
+def test_a_carrier_sum_waits_until_every_rank_signed(agree):
+    # rank 0's carrier is key 7; rank 1 pushes key 7 plainly and carries
+    # its check on key 8 (another plan), which comes last
+    store = Store(2)
+    x = np.ones(4, np.float32)
+    carry(store, 7, 0, 0, x, 11, "['a'] float32[4], ['b'] float32[4]")
+    push(store, 7, 0, 1, x)  # key 7 is summed ...
+    assert pull(store, 7, 0, 0, x) is None  # ... but not yet answered
+    y = np.ones(3, np.float32)
+    if agree:  # the same tree: the sum goes out
+        carry(store, 8, 0, 1, y, 11, "['a'] float32[4], ['b'] float32[4]")
+        np.testing.assert_array_equal(pull(store, 7, 0, 0, x), 2 * x)
+        np.testing.assert_array_equal(pull(store, 7, 0, 1, x), 2 * x)
+        return
+    with pytest.raises(StoreError, match="rank 1 pushed"):
+        carry(store, 8, 0, 1, y, 12, "['z'] float32[3], ['a'] float32[4]")
+    for rank in range(2):  # the summed round fails for everyone
+        with pytest.raises(StoreError) as err:
+            pull(store, 7, 0, rank, x)
+        assert err.value.message.startswith(_wire.MISMATCH_PREFIX)
+
+
+def test_a_carrier_another_rank_contradicts_is_named_a_mismatch():
+    store = Store(2)
+    push(store, 7, 0, 0, np.ones(4, np.float32))  # rank 0, no check yet
+    with pytest.raises(StoreError) as err:
+        carry(store, 7, 0, 1, np.ones(5, np.float32), 12, "['w'] float32[5]")
+    message = err.value.message
+    assert message.startswith(_wire.MISMATCH_PREFIX), message
+    assert "rank 1 pushed [['w'] float32[5]]" in message
+    assert "length" in message
+
+
+def test_a_join_lets_a_carried_check_agree_among_the_others():
+    store = Store(3)
+    x = np.ones(4, np.float32)
+    for rank in range(2):
+        carry(store, 7, 0, rank, x, 11, "['w'] float32[4]")
+    assert store.join(frozenset({2})) == 1  # key 7 completes over 2 ranks
+    np.testing.assert_array_equal(pull(store, 7, 0, 0, x), 2 * x)
+    assert not store._signed
+
+
+def test_a_stale_carried_check_expires():
+    store = Store(2, round_timeout=0.1)
+    x = np.ones(4, np.float32)
+    carry(store, 7, 0, 0, x, 11, "['w'] float32[4]")  # rank 1 never comes
+    assert store._signed
+    store.expire(time.monotonic() + 1.0)
+    assert not store._signed
+
+
 def test_a_check_of_its_own_meets_a_carried_one():
     # a rank whose plan sends no piece to the check's server checks alone
     store = Store(2)
