@@ -317,16 +317,16 @@ def _check_pending(rnd: Round) -> bool:
 
 
 def _carried_mismatch(
-    call: str, number: int, rank: int, err: StoreError, signed
+    call: str, number: int, rank: int, description: str, err: StoreError
 ) -> StoreError:
-    """The error of a piece that carried a call check and that another
-    rank's push of its key contradicts (`err`): their trees differ."""
-    mine = signed.description if signed.rank == rank else "its tree"
+    """The error of a piece that carried a call check (of `rank`'s tree
+    `description`) and that another rank's push of its key contradicts
+    (`err`): their trees differ."""
     return StoreError(
         "INVALID_ARGUMENT",
         f"{_wire.MISMATCH_PREFIX}push_pull {call!r} (round {number}) "
-        f"differs between ranks: rank {rank} pushed [{mine}] and another "
-        f"rank pushed a piece of it otherwise: {err.message}",
+        f"differs between ranks: rank {rank} pushed [{description}] and "
+        f"another rank pushed a piece of it otherwise: {err.message}",
     )
 
 
@@ -461,7 +461,7 @@ class Store:
                 raise
             # another rank pushed this key otherwise: another tree
             raise _carried_mismatch(
-                check_call, check_round, rank, err, signed
+                check_call, check_round, rank, description, err
             ) from None
         if rank in self.joined:
             raise StoreError(
@@ -477,7 +477,7 @@ class Store:
             if signed is None or err.code != "INVALID_ARGUMENT":
                 raise
             raise _carried_mismatch(
-                check_call, check_round, rank, err, signed
+                check_call, check_round, rank, description, err
             ) from None
         if k.done == -1 and not k.rounds and k.last is None:
             # A new key starts at the round of its first push (a key freed
