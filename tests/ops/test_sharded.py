@@ -17,10 +17,9 @@ from .test_push_pull import run_job
 SCRIPT = pathlib.Path(__file__).with_name("sharded_scenarios.py")
 
 
+@pytest.mark.slow  # about a minute each on 2 cores (CI runs both)
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(
-    "devices", [pytest.param(2, marks=pytest.mark.slow), 4]
-)
+@pytest.mark.parametrize("devices", [2, 4])
 def test_sharded_jit_at_realistic_size(start_servers, tmp_path, devices):
     servers = start_servers(2, 2, "--round-timeout", "60")
     run_job(
