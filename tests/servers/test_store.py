@@ -8,7 +8,8 @@ import pytest
 from jaxps.servers import Store, StoreError, _kernels, _wire
 
 
-def push(store, key, rnd, rank, array, checksum=None):
+def push(store, key, rnd, rank, array, checksum=None, **check):
+    """Pushes `array` and sums it; `check`: the call check it carries."""
     payload = array.tobytes()
     ticket = store.begin_push(
         key=key,
@@ -19,6 +20,7 @@ def push(store, key, rnd, rank, array, checksum=None):
         payload=payload,
         checksum=_wire.checksum(payload) if checksum is None else checksum,
         name=f"t{key}",
+        **check,
     )
     if ticket is not None:
         ticket.run()
@@ -450,26 +452,18 @@ def test_a_differing_call_check_fails_the_round_for_everyone():
 
 def carry(store, key, rnd, rank, array, signature, description, number=0):
     """A push of `array` that carries the call check (key 99, `number`)."""
-    payload = array.tobytes()
-    ticket = store.begin_push(
-        key=key,
-        round=rnd,
-        rank=rank,
-        dtype_code=_wire.dtype_code(array.dtype),
-        length=array.size,
-        payload=payload,
-        checksum=_wire.checksum(payload),
-        name=f"t{key}",
+    return push(
+        store,
+        key,
+        rnd,
+        rank,
+        array,
         signature=signature,
         description=description,
         check_key=99,
         check_round=number,
         check_call="grads@0",
     )
-    if ticket is not None:
-        ticket.run()
-        store.finish_push(ticket)
-    return ticket
 
 
 def test_checks_carried_by_pieces_that_agree_cost_nothing_more():
