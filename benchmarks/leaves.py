@@ -9,7 +9,9 @@ L equal float32 leaves for every L of ``--leaves`` and every size of
 row is the 1-leaf call of the same bytes. Any jitted step with L inputs
 and outputs pays JAX's dispatch of them, with or without jaxps: the "jit
 alone" column times ``jax.jit`` of ``x * 1.5`` over the same tree, and
-"net" compares the calls without it, ``(t_L - jit_L) / (t_1 - jit_1)``::
+"net" compares the calls without it, ``(t_L - jit_L) / (t_1 - jit_1)``.
+"rank CPU" is the CPU time of a rank's process (all its threads) per call,
+the mean of the two ranks: steadier than the times on a busy host::
 
     python benchmarks/leaves.py [--leaves 1,50,200] [--sizes-kib 256,16384]
 
@@ -61,11 +63,12 @@ def child(args) -> None:
             for _ in range(3):
                 jax.block_until_ready(f(tree))
                 jax.block_until_ready(alone(tree))
-            times, floor = [], []
+            times, floor, cpu = [], [], 0.0
             for _ in range(args.repeats):  # in turns: the same conditions
-                began = time.perf_counter()
+                began, used = time.perf_counter(), time.process_time()
                 out = jax.block_until_ready(f(tree))
                 times.append(time.perf_counter() - began)
+                cpu += time.process_time() - used
                 began = time.perf_counter()
                 jax.block_until_ready(alone(tree))
                 floor.append(time.perf_counter() - began)
@@ -73,6 +76,7 @@ def child(args) -> None:
             result[f"{kib},{leaves}"] = [
                 _common.median(times),
                 _common.median(floor),
+                cpu / args.repeats,
             ]
     print("RESULT " + json.dumps(result), flush=True)
     jaxps.shutdown()
@@ -91,6 +95,11 @@ def main(argv=None) -> int:
     # a call's time is the slower rank's
     times = {key: max(r[key][0] for r in results) for key in results[0]}
     floors = {key: max(r[key][1] for r in results) for key in results[0]}
+    # CPU: all threads of a rank, the mean of both ranks (servers not counted)
+    cpus = {
+        key: sum(r[key][2] for r in results) / len(results)
+        for key in results[0]
+    }
     rows = []
     for key, t in times.items():
         kib, leaves = key.split(",")
@@ -109,6 +118,7 @@ def main(argv=None) -> int:
                 f"{(t - one) / max(1, int(leaves) - 1) * 1e3:.3f}"
                 if one and leaves != "1"
                 else "-",
+                f"{cpus[key] * 1e3:.1f}",
             ]
         )
     header = [
@@ -119,6 +129,7 @@ def main(argv=None) -> int:
         "jit alone ms",
         "net x 1 leaf",
         "ms/extra leaf",
+        "rank CPU ms/call",
     ]
     print(_common.format_table(header, rows))
     print(

@@ -173,6 +173,33 @@ def fingerprint(payload) -> int:
     return checksum(view)
 
 
+def fingerprint_parts(parts) -> int:
+    """`fingerprint` of the payload that `parts` (buffers) make in turn,
+    without joining more of them than its ends."""
+    views = [memoryview(p).cast("B") for p in parts]
+    total = sum(len(v) for v in views)
+    if total <= 2 * FINGERPRINT_BYTES:
+        return checksum(b"".join(views))
+    return (
+        checksum(_ends(views, FINGERPRINT_BYTES))
+        ^ checksum(_ends(reversed(views), FINGERPRINT_BYTES, tail=True))
+        ^ total
+    )
+
+
+def _ends(views, nbytes: int, tail: bool = False) -> bytes:
+    """The first `nbytes` of `views` in turn (with `tail`: the last, where
+    `views` come last first)."""
+    taken, left = [], nbytes
+    for view in views:
+        if not left:
+            break
+        piece = view[-left:] if tail else view[:left]
+        taken.append(piece)
+        left -= len(piece)
+    return b"".join(reversed(taken) if tail else taken)
+
+
 # -- the data channel ---------------------------------------------------------
 #
 # Bulk payloads to a server on another host may travel on plain TCP instead
@@ -342,25 +369,30 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         view = view[n:]
 
 
+#: Most buffers one ``sendmsg`` takes (Linux's IOV_MAX).
+SEND_VECTORS = 1024
+
+
 def send_frame(sock: socket.socket, *parts) -> None:
     """Sends `parts` (bytes, memoryviews or arrays) in order, with as few
-    system calls as possible: one ``sendmsg`` on a plain socket; on TLS,
-    the small head in one record and the payload straight after."""
+    system calls as possible: one ``sendmsg`` on a plain socket (per
+    `SEND_VECTORS` parts); on TLS, the small head (the first part) in one
+    record and each part of the payload straight after."""
     views = []
     for part in parts:
         if isinstance(part, np.ndarray):  # also dtypes without a format
             part = part.reshape(-1).view(np.uint8)
         views.append(memoryview(part).cast("B"))
     if isinstance(sock, ssl.SSLSocket):
-        *head, body = views
-        if head:
-            sock.sendall(b"".join(head))
-        sock.sendall(body)
+        for view in views:
+            sock.sendall(view)
         return
-    sent = sock.sendmsg(views)
-    for view in views:  # the rest of a partial send
-        if sent >= len(view):
-            sent -= len(view)
-            continue
-        sock.sendall(view[sent:])
-        sent = 0
+    for first in range(0, len(views), SEND_VECTORS):
+        batch = views[first : first + SEND_VECTORS]
+        sent = sock.sendmsg(batch)
+        for view in batch:  # the rest of a partial send
+            if sent >= len(view):
+                sent -= len(view)
+                continue
+            sock.sendall(view[sent:])
+            sent = 0

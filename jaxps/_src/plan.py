@@ -79,10 +79,51 @@ class _Draft(NamedTuple):
     priority: int
 
 
+class Gather:
+    """The payload of a fused piece, left in its members' arrays.
+
+    Joining the members into one array costs a pass over every byte (16 MiB
+    of 82 KiB tensors: about 4 ms on a 2-core host, a tenth of the call).
+    The data channel sends the parts with one ``sendmsg`` and shared memory
+    copies them straight into the slot; only what needs one array (gRPC
+    messages, a kept copy for a re-push) joins them, once (`joined`).
+
+    Attributes:
+      parts: flat arrays of one dtype, in payload order (read-only).
+      dtype: their dtype.
+      size: elements in all.
+      nbytes: bytes in all.
+    """
+
+    __slots__ = ("parts", "dtype", "size", "nbytes", "_joined")
+
+    def __init__(self, parts: Sequence[np.ndarray]):
+        self.parts = tuple(parts)
+        self.dtype = self.parts[0].dtype
+        self.size = sum(p.size for p in self.parts)
+        self.nbytes = self.size * self.dtype.itemsize
+        self._joined: np.ndarray | None = None
+
+    def joined(self) -> np.ndarray:
+        """The payload as one new array (made once)."""
+        if self._joined is None:
+            self._joined = np.concatenate(self.parts)
+        return self._joined
+
+    def copy_into(self, out: np.ndarray) -> None:
+        """Writes the payload into the flat array `out` (of `size`)."""
+        np.concatenate(self.parts, out=out)
+
+
+def payload(source: np.ndarray | Gather) -> np.ndarray:
+    """A piece's payload as one flat array (a `Gather` joined)."""
+    return source.joined() if isinstance(source, Gather) else source
+
+
 class Buffers(NamedTuple):
     """The arrays of one piece: its payload and where its sum goes."""
 
-    source: np.ndarray
+    source: np.ndarray | Gather
     dest: np.ndarray
 
 
@@ -242,7 +283,7 @@ def buffers(
                 parts.append(flats[m.tensor][m.start : m.stop])
                 outs[m.tensor] = dest[offset : offset + m.size]  # a view
                 offset += m.size
-            laid_out.append(Buffers(np.concatenate(parts), dest))
+            laid_out.append(Buffers(Gather(parts), dest))
         else:
             ((t, lo, hi),) = piece.members
             if outs[t] is None:

@@ -668,7 +668,8 @@ class Runtime:
                 header,
                 divisor,
                 transport,
-                private=donate or piece.fused,
+                # a fused piece's Gather is of the caller's arrays too
+                private=donate,
             )
             self._sender.put((-piece.priority, seq, i), chunk)
         return handle

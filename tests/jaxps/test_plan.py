@@ -83,7 +83,7 @@ def test_mixed_mode_sends_the_formula_share_to_cpu_servers():
 def test_buffers_gather_fused_pieces_and_outputs_view_their_dest():
     import numpy as np
 
-    from jaxps._src.plan import buffers
+    from jaxps._src.plan import Gather, buffers, payload
 
     sizes, dtypes = [5, 60, 3], ["<f4", "<f4", "<f4"]
     pieces = plan(sizes, dtypes)
@@ -96,14 +96,37 @@ def test_buffers_gather_fused_pieces_and_outputs_view_their_dest():
         expected = np.concatenate(
             [flats[m.tensor][m.start : m.stop] for m in piece.members]
         )
-        np.testing.assert_array_equal(source, expected)
+        np.testing.assert_array_equal(payload(source), expected)
         assert dest.size == source.size == piece.length
-        dest[...] = -source  # as a transport writes a sum
+        assert source.nbytes == expected.nbytes and source.dtype == np.float32
+        dest[...] = -payload(source)  # as a transport writes a sum
     for t, out in enumerate(outs):
         np.testing.assert_array_equal(out, -flats[t])
     fused = next(p for p in pieces if p.fused)
     assert [m.tensor for m in fused.members] == [0, 2]
-    assert not np.shares_memory(laid_out[pieces.index(fused)].source, flats[0])
+    # a fused payload is not copied: its parts are the members' arrays
+    gather = laid_out[pieces.index(fused)].source
+    assert isinstance(gather, Gather)
+    assert np.shares_memory(gather.parts[0], flats[0])
+    assert np.shares_memory(gather.parts[1], flats[2])
+    into = np.empty(gather.size, gather.dtype)
+    gather.copy_into(into)
+    np.testing.assert_array_equal(into, [0, 1, 2, 3, 4, 200, 201, 202])
+    assert payload(gather) is payload(gather)  # joined once
+
+
+def test_a_gathers_fingerprint_is_its_joined_payloads():
+    import numpy as np
+
+    from jaxps._src.plan import Gather
+    from jaxps._src.transport.base import fingerprint
+
+    rng = np.random.default_rng(0)
+    # small (all of it), ends within one part, ends across many parts
+    for sizes in ([3, 5], [5000, 7, 3000], [100] * 80, [1, 2047, 1, 4000]):
+        parts = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+        gather = Gather(parts)
+        assert fingerprint(gather) == fingerprint(np.concatenate(parts)), sizes
 
 
 def test_a_call_of_one_piece_goes_to_its_check_server():

@@ -252,6 +252,42 @@ def test_fused_small_tensors_of_mixed_dtypes(start_servers):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["grpc", "tcp", "auto"])
+def test_fused_pieces_of_more_tensors_than_one_send_takes(
+    start_servers, transport
+):
+    # A fused piece's payload is a Gather of its members (not joined): the
+    # data channel sends more of them than one sendmsg takes in several
+    # calls, shared memory copies them into the slot, gRPC joins them.
+    servers = start_servers(1, 2)
+    count = _wire.SEND_VECTORS + 300
+    sizes = [1 + i % 3 for i in range(count)]
+
+    def fn(rt):
+        arrays = [
+            contribution(rt.rank, s, np.float32, seed=i)
+            for i, s in enumerate(sizes)
+        ]
+        names = [f"g{i}" for i in range(count)]
+        outs = rt.push_pull_async(names, arrays, average=False).wait()
+        (inner,) = [t.current for t in rt._transports]
+        data = getattr(inner, "small", inner)  # shm sends these on it
+        return outs, getattr(data, "connection", "none")
+
+    results = run_workers(
+        2, servers, fn, partition_bytes=64 << 10, transport=transport
+    )
+    for outs, connection in results:
+        # none fell back to gRPC: the data channel is still up
+        assert connection is not None, transport
+        for i, (out, s) in enumerate(zip(outs, sizes)):
+            expected = sum(
+                contribution(r, s, np.float64, seed=i) for r in range(2)
+            ).astype(np.float32)
+            np.testing.assert_array_equal(out, expected, err_msg=f"g{i}")
+
+
+@pytest.mark.timeout(120)
 def test_mixed_mode_cpu_and_colocated_servers(start_servers):
     cpu = start_servers(1, 2)
     colocated = start_servers(2, 2)

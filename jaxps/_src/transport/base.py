@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxps._src import errors
 from jaxps._src import timeline as _timeline
+from jaxps._src.plan import Gather
 from jaxps.servers import _wire
 
 if TYPE_CHECKING:
@@ -31,9 +32,18 @@ if TYPE_CHECKING:
 ABORT_TIMEOUT = 1.0
 
 
-def fingerprint(array: np.ndarray) -> int:
-    """The wire checksum of an array (`_wire.fingerprint`)."""
-    return _wire.fingerprint(array.reshape(-1).view(np.uint8))
+def fingerprint(source: np.ndarray | Gather) -> int:
+    """The wire checksum of a payload (`_wire.fingerprint`)."""
+    if isinstance(source, Gather):
+        return _wire.fingerprint_parts(
+            p.reshape(-1).view(np.uint8) for p in source.parts
+        )
+    return _wire.fingerprint(source.reshape(-1).view(np.uint8))
+
+
+def parts_of(source: np.ndarray | Gather) -> tuple[np.ndarray, ...]:
+    """The arrays that make a payload, in order."""
+    return source.parts if isinstance(source, Gather) else (source,)
 
 
 def pull_deadline(timeout: float) -> float:
@@ -67,7 +77,8 @@ class Chunk:
     Attributes:
       queued: when it was queued (a `timeline.now()` time).
       handle: told once how it ended (a `ChunkHandle`).
-      source: the payload, a flat array (read-only to the transport).
+      source: the payload, a flat array or a `plan.Gather` of several
+        (read-only to the transport; `plan.payload` joins a Gather).
       dest: where the sum goes, a flat array of the same dtype and size.
       header: the wire header (key, round, dtype, length, name, ...).
       divisor: None to keep the sum; else the sum is averaged: divided by
@@ -95,7 +106,7 @@ class Chunk:
     def __init__(
         self,
         handle: ChunkHandle,
-        source: np.ndarray,
+        source: np.ndarray | Gather,
         dest: np.ndarray,
         header: pb.Header,
         divisor: int | None,

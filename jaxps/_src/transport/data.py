@@ -31,11 +31,13 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxps._src import errors
+from jaxps._src.plan import Gather
 from jaxps._src.transport.base import (
     SPENT,
     Chunk,
     Credit,
     fingerprint,
+    parts_of,
     pull_deadline,
 )
 from jaxps._src.transport.grpc import GrpcTransport
@@ -169,7 +171,7 @@ class DataConnection:
     def push_pull(
         self,
         header,
-        source: np.ndarray,
+        source: np.ndarray | Gather,
         checksum: int,
         dest: np.ndarray,
         deadline: float,
@@ -214,7 +216,7 @@ class DataConnection:
             )
         try:
             with self._send_lock:
-                _wire.send_frame(self.sock, head, name, source)
+                _wire.send_frame(self.sock, head + name, *parts_of(source))
         except OSError as err:
             self._fail_all(
                 errors.ServerUnavailableError(

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxps._src import errors
+from jaxps._src import errors, plan
 from jaxps._src.transport.base import (
     SPENT,
     Chunk,
@@ -174,9 +174,16 @@ class RecoveringTransport(Transport):
                 payload = source
             else:  # into the last copy, if it was one this made
                 payload = None if kept is None or kept[2] else kept[1]
-                if payload is None or payload.shape != source.shape:
-                    payload = np.empty_like(source)
-                np.copyto(payload, source)
+                if (
+                    payload is None
+                    or payload.size != source.size
+                    or payload.dtype != source.dtype
+                ):
+                    payload = np.empty(source.size, source.dtype)
+                if isinstance(source, plan.Gather):
+                    source.copy_into(payload)
+                else:
+                    np.copyto(payload, source.reshape(-1))
             # The header as it is (it is not changed once its chunk is
             # done): CopyFrom into one kept message would grow its arena.
             self._kept[key] = (chunk.header, payload, chunk.private)
@@ -261,6 +268,7 @@ class RecoveringTransport(Transport):
         for header, payload, _ in kept:
             h = pb.Header()
             h.CopyFrom(header)
+            payload = plan.payload(payload)
             try:
                 inner.client.push(
                     h, payload, fingerprint(payload), push_deadline

@@ -8,6 +8,7 @@ import grpc
 import numpy as np
 
 from jaxps._src import errors
+from jaxps._src.plan import payload
 from jaxps._src.transport.base import (
     Chunk,
     Credit,
@@ -36,7 +37,7 @@ class GrpcTransport(Transport):
         call costs gRPC Python far less CPU than a future) while
         `credit.may_block()` allows it, else the pull is a future."""
         timeout = self.timeout
-        h, source = chunk.header, chunk.source
+        h, source = chunk.header, payload(chunk.source)
         try:
             self.client.push(
                 h, source, fingerprint(source), time.monotonic() + timeout

@@ -39,6 +39,7 @@ import grpc
 import numpy as np
 
 from jaxps._src import errors
+from jaxps._src.plan import Gather
 from jaxps._src.transport.base import (
     Chunk,
     Credit,
@@ -248,7 +249,11 @@ class ShmTransport(Transport):
             self._messages.push_then_pull(chunk, credit, pushed)
             return
         h, source = chunk.header, chunk.source
-        np.copyto(slot.array(source.dtype, source.size), source)
+        into = slot.array(source.dtype, source.size)
+        if isinstance(source, Gather):  # one copy, not two
+            source.copy_into(into)
+        else:
+            np.copyto(into, source)
         credit.release(chunk.nbytes)
         pulling = self._span("push", pushed, chunk)
         deadline = time.monotonic() + pull_deadline(self.timeout)
