@@ -36,6 +36,7 @@ import socket
 import ssl
 import threading
 import time
+from typing import NamedTuple
 
 from . import _wire
 
@@ -313,6 +314,13 @@ def _send(sock: socket.socket, head: bytes, body) -> None:
         _wire.send_frame(sock, head, body)
 
 
+class _Slot(NamedTuple):
+    """A shared-memory slot a request names (as `pb.ShmSlot`)."""
+
+    segment: int
+    offset: int
+
+
 class _Connection:
     """One worker's data connection: a reader and a writer thread."""
 
@@ -461,10 +469,15 @@ class _Connection:
             rid,
             timeout,
         ) = _wire.DATA_REQUEST.unpack(head)
-        if op not in _wire.DATA_OPS or rank != self.rank:
+        in_slot = bool(op & _wire.DATA_OP_IN_SLOT)
+        op &= ~_wire.DATA_OP_IN_SLOT
+        known = op in _wire.DATA_OPS and not (
+            in_slot and op == _wire.DATA_OP_CHECK
+        )
+        if not known or rank != self.rank:
             what = (
-                f"unknown op {op}"
-                if op not in _wire.DATA_OPS
+                f"unknown op {op}{' in a slot' if in_slot else ''}"
+                if not known
                 else f"rank {rank} on the connection of rank {self.rank}"
             )
             self._out.put(
@@ -489,8 +502,14 @@ class _Connection:
             return False
         name = bytearray(name_len)
         _wire.recv_exact(self.sock, memoryview(name))
-        buf = self.channel.pool.take(nbytes)
-        _wire.recv_exact(self.sock, memoryview(buf))
+        slot = None
+        if in_slot:  # the payload is in the worker's shared memory
+            buf = bytearray(_wire.DATA_SLOT.size)
+            _wire.recv_exact(self.sock, memoryview(buf))
+            slot = _Slot(*_wire.DATA_SLOT.unpack(buf))
+        else:
+            buf = self.channel.pool.take(nbytes)
+            _wire.recv_exact(self.sock, memoryview(buf))
         h = Header(self.job_id, self.session, rank, key, rnd, dtype, length, "")
         if op == _wire.DATA_OP_CHECK:
             h.signature, h.name, h.description = _wire.decode_check_name(
@@ -500,23 +519,29 @@ class _Connection:
             try:
                 _wire.decode_carrier_name(bytes(name), h)
             except _wire.Rejected as err:
-                self.channel.pool.give(buf)
+                if slot is None:
+                    self.channel.pool.give(buf)
                 self._out.put(_error_frame(rid, err.code, err.message))
                 return False
         else:
             h.name = name.decode(errors="replace")
         with self._busy_lock:
             self._busy += 1
+        if slot is not None:
+            buf = None
         asyncio.run_coroutine_threadsafe(
-            self._serve(h, rid, buf, checksum, timeout), self.channel.loop
+            self._serve(h, rid, buf, checksum, timeout, slot),
+            self.channel.loop,
         )
         return True
 
-    async def _serve(self, h, rid: int, buf, checksum: int, timeout: float):
+    async def _serve(
+        self, h, rid: int, buf, checksum: int, timeout: float, slot=None
+    ):
         """Pushes and pulls one chunk on the event loop; its last frame is
         queued before the writer may stop."""
         try:
-            await self._push_pull(h, rid, buf, checksum, timeout)
+            await self._push_pull(h, rid, buf, checksum, timeout, slot)
         finally:
             with self._busy_lock:
                 self._busy -= 1
@@ -524,16 +549,22 @@ class _Connection:
             if last:
                 self._out.put(None)
 
-    async def _push_pull(self, h, rid, buf, checksum, timeout) -> None:
+    async def _push_pull(self, h, rid, buf, checksum, timeout, slot) -> None:
+        """`buf` holds the payload, or with a `slot` (then `buf` is None)
+        the worker's shared memory does, and the sum goes there."""
         core = self.channel.core
         try:
-            await core.push(h, memoryview(buf), checksum)
+            payload = None if slot is not None else memoryview(buf)
+            target = await core.push(h, payload, checksum, slot)
             self._out.put(
                 (_wire.DATA_REPLY.pack(_wire.DATA_ACK, 0, 0, rid, 0), None)
             )
             deadline = time.monotonic() + min(max(0.0, timeout), 3600.0)
             total, contributors = await core.pull_counted(
-                h, deadline=deadline, raw=True
+                h,
+                deadline=deadline,
+                raw=True,
+                into=None if slot is None else target,
             )
         except _wire.Rejected as err:
             self._out.put(_error_frame(rid, err.code, err.message))
@@ -541,6 +572,16 @@ class _Connection:
         except Exception as err:  # noqa: BLE001 - reported to the worker
             log.exception("data request failed")
             self._out.put(_error_frame(rid, "INTERNAL", repr(err)))
+            return
+        if slot is not None:  # the sum is in the slot
+            self._out.put(
+                (
+                    _wire.DATA_REPLY.pack(
+                        _wire.DATA_SUM, 0, contributors, rid, 0
+                    ),
+                    None,
+                )
+            )
             return
         # The round is summed: the store holds no view of `buf` any more.
         self.channel.pool.give(buf)

@@ -735,7 +735,10 @@ class Store:
     def _take(self, k: Key, rnd: Round, rank: int, raw: bool, into):
         answer = self._answer(k, rnd, rank, raw, into)
         rnd.pulled.add(rank)
-        if rnd.pulled >= rnd.pushed.keys():  # every contributor pulled
+        # every contributor pulled; a rank's second pull that waited beside
+        # its first (a retry over gRPC while the data connection that sent
+        # the first was lost) finds the round gone already
+        if rnd.pulled >= rnd.pushed.keys() and k.rounds.get(rnd.number) is rnd:
             del k.rounds[rnd.number]
             if rnd.number > k.done:
                 k.done = rnd.number

@@ -24,8 +24,9 @@ import numpy as np
 from . import jaxps_pb2 as pb
 
 #: 4: call checks (Header.signature), Join and the contributors of a sum;
-#: 5: call checks carried by a piece (Header.check_key).
-PROTOCOL_VERSION = 5
+#: 5: call checks carried by a piece (Header.check_key); 6: payloads in
+#: shared-memory slots named on the data channel (DATA_OP_IN_SLOT).
+PROTOCOL_VERSION = 6
 #: The gRPC service of a summation server (also its health-check name).
 SERVICE_NAME = "jaxps.Summation"
 #: Trailing metadata of every rejection: the server's incarnation id, so a
@@ -215,6 +216,10 @@ def _ends(views, nbytes: int, tail: bool = False) -> bytes:
 # DATA_OP_CHECK request whose name is `encode_check_name` of its signature,
 # call name and description; a piece that carries one (Header.check_key) is
 # a DATA_OP_PUSH_PULL_CHECKED request whose name is `encode_carrier_name`.
+# A worker on the server's host may leave a push's payload in a slot of its
+# shared memory (attached over gRPC): the op then has DATA_OP_IN_SLOT set,
+# a DATA_SLOT (segment id, byte offset) follows the name instead of the
+# payload, and the DATA_SUM has no body: the sum is in the slot.
 
 DATA_MAGIC = b"JXPD"
 #: magic, protocol version, rank, nonce, mac.
@@ -229,6 +234,10 @@ DATA_OP_PUSH_PULL = 1
 DATA_OP_CHECK = 2
 DATA_OP_PUSH_PULL_CHECKED = 3
 DATA_OPS = (DATA_OP_PUSH_PULL, DATA_OP_CHECK, DATA_OP_PUSH_PULL_CHECKED)
+#: Flag of a push_pull op whose payload is in a shared-memory slot.
+DATA_OP_IN_SLOT = 0x80
+#: segment id, byte offset (as `pb.ShmSlot`).
+DATA_SLOT = struct.Struct("<IQ")
 _SIGNATURE = struct.Struct("<Q")
 #: signature, check key, check round, bytes of the name and of the call
 _CARRIED = struct.Struct("<QQQII")

@@ -4,6 +4,7 @@ import contextlib
 import fcntl
 import os
 import secrets
+import socket
 import time
 
 import numpy as np
@@ -428,3 +429,86 @@ def test_codec_rejects_a_slot_that_is_not_a_message():
     raw = _codec.encode_push(pb.Header(version=1), b"", 0)
     with pytest.raises(_codec.DecodeError, match="slot"):
         _codec.decode_push(raw + bytes([4 << 3 | 0, 1]))
+
+
+def count_grpc_push_pulls(monkeypatch) -> list[int]:
+    """Counts the shared-memory PushPull calls over gRPC (they still run)."""
+    calls = [0]
+    for method in ("push_pull", "push_pull_future"):
+        real = getattr(ServerClient, method)
+
+        def counted(self, *args, _real=real, **kwargs):
+            calls[0] += 1
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(ServerClient, method, counted)
+    return calls
+
+
+@pytest.mark.timeout(60)
+def test_slots_are_named_on_the_data_channel(start_servers, monkeypatch):
+    # With "auto", a chunk in a slot is one data-channel request naming the
+    # slot, not a gRPC PushPull; its sum comes back in the slot.
+    monkeypatch.setattr(shm, "SMALL_BYTES", 0)  # every chunk in a slot
+    grpc_calls = count_grpc_push_pulls(monkeypatch)
+    servers = start_servers(2, 2)
+    x = np.arange(5 * PARTITION // 4 + 3, dtype=np.float32)
+
+    def fn(rt):
+        sums = [rt.push_pull(f"t{i}", x * (rt.rank + 1)) for i in range(3)]
+        # a call check carried in a slot still names a mismatch at once
+        other = np.ones(PARTITION // 4 * (2 + rt.rank), np.float32)
+        handle = rt.push_pull_async(["m"], [other], call="m")
+        began = time.monotonic()
+        with pytest.raises(errors.MismatchError):
+            handle.wait(10)
+        sums.append(time.monotonic() - began)
+        used = [
+            (len(t.pool.segment_ids), t.small.connection is not None)
+            for t in (t.current for t in rt._transports)
+        ]
+        return sums, used
+
+    for sums, used in run_workers(
+        2, servers, fn, partition_bytes=PARTITION, transport="auto"
+    ):
+        for got in sums[:3]:
+            np.testing.assert_array_equal(got, 1.5 * x)
+        assert sums[3] < 2.0
+        # both servers' slots, their data channels still up
+        assert used == [(1, True), (1, True)], used
+    assert grpc_calls[0] == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_slot_whose_data_channel_is_lost_goes_over_grpc_once(
+    start_servers, monkeypatch
+):
+    # Rank 0's chunk waits in the server for rank 1 when its data
+    # connection breaks: it is sent again as a gRPC PushPull naming the
+    # same slot, which the server counts once.
+    monkeypatch.setattr(shm, "SMALL_BYTES", 0)
+    grpc_calls = count_grpc_push_pulls(monkeypatch)
+    (server,) = start_servers(1, 2)
+    x = np.arange(PARTITION // 4, dtype=np.float32)
+    with two_workers(server, timeout=10.0, transport="auto") as rt:
+        first = rt[0].push_pull_async(["w"], [x], average=False)
+        conn = rt[0]._transports[0].current.small.connection
+        deadline = time.monotonic() + 10
+        while not conn._pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert conn._pending, "rank 0's chunk was not sent in its slot"
+        conn.sock.shutdown(socket.SHUT_RDWR)  # the link breaks
+        while grpc_calls[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # its PushPull over gRPC waits for rank 1
+        second = rt[1].push_pull_async(["w"], [2 * x], average=False)
+        np.testing.assert_array_equal(first.wait(20)[0], 3 * x)
+        np.testing.assert_array_equal(second.wait(20)[0], 3 * x)
+        assert grpc_calls[0] == 1
+        # the next round: counted once, not twice
+        again = [
+            r.push_pull_async(["w"], [x * (i + 1)], average=False)
+            for i, r in enumerate(rt)
+        ]
+        for handle in again:
+            np.testing.assert_array_equal(handle.wait(20)[0], 3 * x)

@@ -169,16 +169,35 @@ def test_server_survives_malformed_frames(module_server, data):
                 "huge",
                 "check",
                 "carried",
+                "slot",
             ]
         )
     )
+    valid = {*_wire.DATA_OPS} | {
+        op | _wire.DATA_OP_IN_SLOT
+        for op in _wire.DATA_OPS
+        if op != _wire.DATA_OP_CHECK
+    }
     key = data.draw(st.integers(100, 2**40))
     if kind == "random":
         frame = data.draw(st.binary(max_size=200))
     elif kind == "op":
-        frame = (
-            bytes([data.draw(st.integers(max(_wire.DATA_OPS) + 1, 255))])
-            + request(rank=1, key=key)[1:]
+        op = data.draw(st.integers(0, 255).filter(lambda o: o not in valid))
+        frame = bytes([op]) + request(rank=1, key=key)[1:]
+    elif kind == "slot":  # a slot of memory this rank never attached
+        frame = request(
+            rank=1,
+            key=key,
+            length=data.draw(st.integers(0, 2**20)),
+            op=data.draw(
+                st.sampled_from(
+                    [_wire.DATA_OP_PUSH_PULL, _wire.DATA_OP_PUSH_PULL_CHECKED]
+                )
+            )
+            | _wire.DATA_OP_IN_SLOT,
+        ) + _wire.DATA_SLOT.pack(
+            data.draw(st.integers(0, 2**32 - 1)),
+            data.draw(st.integers(0, 2**64 - 1)),
         )
     elif kind == "rank":
         frame = request(rank=data.draw(st.sampled_from([0, 2, 2**31])))
@@ -230,6 +249,12 @@ def test_server_survives_malformed_frames(module_server, data):
         assert answer[1] in (
             "INVALID_ARGUMENT",
             "RESOURCE_EXHAUSTED",
+        ), answer
+    if kind == "slot":  # refused, never read or written
+        assert answer is not None and answer[0] == _wire.DATA_ERROR, answer
+        assert answer[1] in (
+            "FAILED_PRECONDITION",
+            "INVALID_ARGUMENT",
         ), answer
     assert server.proc.poll() is None
     # and it still serves a well-formed hello

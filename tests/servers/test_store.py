@@ -65,6 +65,28 @@ def test_incomplete_round_is_not_answered():
     assert pull(store, 1, 0, 0, x) is None
 
 
+def test_two_waiting_pulls_of_one_rank_are_both_answered():
+    # A rank's pull waits on a data connection that is then lost, and its
+    # retry over gRPC waits beside it: both get the sum once the round is
+    # complete, and the round is freed once.
+    store = Store(2)
+    x = np.arange(4, dtype=np.float32)
+    push(store, 1, 0, 0, x)
+    dtype = _wire.dtype_code(x.dtype)
+    waiting = [
+        store.pull(key=1, round=0, rank=0, dtype_code=dtype, length=4)
+        for _ in range(2)
+    ]
+    assert [result for _, result in waiting] == [None, None]
+    push(store, 1, 0, 1, 2 * x)
+    first, second = (rnd for rnd, _ in waiting)
+    np.testing.assert_array_equal(store.collect(1, first, 0, raw=True), 3 * x)
+    np.testing.assert_array_equal(pull(store, 1, 0, 1, x), 3 * x)
+    assert store.pending_rounds() == 0  # all pulled: freed
+    np.testing.assert_array_equal(store.collect(1, second, 0, raw=True), 3 * x)
+    assert store.pending_rounds() == 0
+
+
 def test_half_precision_accumulates_in_float32():
     n = 4
     store = Store(n)

@@ -177,11 +177,14 @@ class DataConnection:
         deadline: float,
         on_ack: Callable[[], None],
         on_done: Callable[..., None],
+        slot=None,
     ) -> None:
         """Sends one chunk; calls `on_ack()` once the server accepted it
         and `on_done(None, contributors)` once its sum (over `contributors`
         ranks; 0: not said) is in `dest`, or `on_done(error)` if it failed.
-        Raises if the connection is broken."""
+        With a `slot` (a `pb.ShmSlot` of shared memory the server attached)
+        the payload is there, not in `source`, and the sum goes there, not
+        in `dest` (both None). Raises if the connection is broken."""
         if self._broken is not None:
             raise self._broken
         rid = next(self._ids) & 0xFFFFFFFF
@@ -196,6 +199,11 @@ class DataConnection:
             )
         else:
             name = header.name.encode()[: _wire.DATA_MAX_TEXT - 1]
+        if slot is not None:
+            op |= _wire.DATA_OP_IN_SLOT
+            body = (_wire.DATA_SLOT.pack(slot.segment, slot.offset),)
+        else:
+            body = parts_of(source)
         head = _wire.DATA_REQUEST.pack(
             op,
             header.dtype,
@@ -216,7 +224,7 @@ class DataConnection:
             )
         try:
             with self._send_lock:
-                _wire.send_frame(self.sock, head + name, *parts_of(source))
+                _wire.send_frame(self.sock, head + name, *body)
         except OSError as err:
             self._fail_all(
                 errors.ServerUnavailableError(
@@ -286,6 +294,11 @@ class DataConnection:
     def _sum(
         self, rid: int, req: _Request | None, size: int, contributors: int
     ) -> None:
+        if req is not None and req.dest is None:  # the sum is in its slot
+            if size:
+                raise self._violation(f"a sum of {size} bytes for a slot")
+            self._end(rid, None, contributors)
+            return
         if req is None or size != req.dest.nbytes:
             # a request that already failed (deadline), or a wrong size:
             # read the bytes off the stream
@@ -536,13 +549,13 @@ class DataTransport(GrpcTransport):
             )
         except errors.JaxpsError as err:
             # the connection broke before: never sent, the credit is held
-            self._drop(conn, err)
+            self.drop(conn, err)
             self.push_then_pull(chunk, credit, pushed)
 
     def _fall_back(self, chunk: Chunk, err: errors.JaxpsError) -> None:
         """Sends a chunk of a broken connection again, over gRPC (on a
         thread of its own: this runs on the connection's reader)."""
-        self._drop(self.connection, err)
+        self.drop(self.connection, err)
         threading.Thread(
             target=self._resend,
             args=(chunk, err),
@@ -565,7 +578,9 @@ class DataTransport(GrpcTransport):
                 )
             )
 
-    def _drop(self, conn: DataConnection | None, err) -> None:
+    def drop(self, conn: DataConnection | None, err) -> None:
+        """Stops using `conn` (if it is still the connection) after `err`:
+        chunks go over gRPC until the channel is opened again."""
         with self._lock:
             if conn is None or self.connection is not conn:
                 return
