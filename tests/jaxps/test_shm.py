@@ -50,8 +50,21 @@ def test_shared_memory_carries_the_payloads(start_servers):
 
 
 @pytest.mark.timeout(60)
-def test_small_pool_falls_back_to_grpc_without_waiting(start_servers):
-    # One segment of 2 slots for 40 chunks in flight: most go through gRPC.
+@pytest.mark.parametrize("transport", ["shm", "auto"])
+def test_small_pool_falls_back_without_waiting(
+    start_servers, monkeypatch, transport
+):
+    # One segment of 2 slots for 40 chunks in flight: most go as bytes, in
+    # gRPC messages ("shm") or on the data channel ("auto").
+    monkeypatch.setattr(shm, "SMALL_BYTES", 0)  # all would take a slot
+    pushes = [0]
+    real = ServerClient.push
+
+    def counted(self, *args, **kwargs):
+        pushes[0] += 1
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ServerClient, "push", counted)
     servers = start_servers(1, 2)
     x = np.ones(20 * PARTITION // 4, dtype=np.float32)
 
@@ -63,10 +76,14 @@ def test_small_pool_falls_back_to_grpc_without_waiting(start_servers):
         return [rt.push_pull(f"t{i}", x, average=False) for i in range(3)]
 
     for sums in run_workers(
-        2, servers, fn, partition_bytes=PARTITION, transport="shm"
+        2, servers, fn, partition_bytes=PARTITION, transport=transport
     ):
         for got in sums:
             np.testing.assert_array_equal(got, 2 * x)
+    if transport == "auto":  # none in gRPC messages
+        assert pushes[0] == 0
+    else:
+        assert pushes[0] > 0
 
 
 @pytest.mark.timeout(60)

@@ -251,11 +251,15 @@ class ShmTransport(Transport):
         if self.small is not None and chunk.nbytes < SMALL_BYTES:
             self.small.send(chunk, credit)
             return
-        pushed = self._span("queue", chunk.queued, chunk)
         slot = self.pool.take(chunk.nbytes)
-        if slot is None:
-            self._messages.push_then_pull(chunk, credit, pushed)
+        if slot is None:  # none free: its bytes go as they are
+            if self.small is not None:
+                self.small.send(chunk, credit)
+            else:
+                pushed = self._span("queue", chunk.queued, chunk)
+                self._messages.push_then_pull(chunk, credit, pushed)
             return
+        pushed = self._span("queue", chunk.queued, chunk)
         h, source = chunk.header, chunk.source
         into = slot.array(source.dtype, source.size)
         if isinstance(source, Gather):  # one copy, not two
