@@ -23,8 +23,8 @@ slot, which the server counts once), else a PushPull call. No bytes cross
 a network, so the credit goes back once the slot is filled. The slot is
 the server's until the request is answered; a slot whose request failed
 is never reused. A chunk that finds no slot (the pool is full, or the
-server cannot map it) goes through the gRPC messages instead: nothing
-waits for a slot.
+server cannot map it) goes as bytes instead, on the data channel or in
+gRPC messages: nothing waits for a slot.
 """
 
 from __future__ import annotations
