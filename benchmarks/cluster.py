@@ -23,9 +23,9 @@ links to a bridge in a hub namespace; both ends of every link are shaped to
 * plain PS: jaxps with the k CPU servers only, no colocated servers;
 * with ``--tls``: jaxps mixed mode again with every server on TLS (the data
   channel too; a self-signed certificate for the run), against plaintext;
-* with ``--defaults``: jaxps mixed mode again with the library's own
-  defaults (``partition_bytes="auto"``: no partition or credit set),
-  against the hand-tuned partition of the main row.
+* with ``--tuned``: jaxps mixed mode again with a hand-tuned partition of
+  2 ms of link time (24 KiB at 100 Mbit/s, 244 KiB at 1 Gbit/s), against
+  the main row.
 
 jaxps mixed mode runs k CPU servers (``python -m jaxps.servers``) in the
 server namespaces and one colocated server in each worker namespace. With
@@ -34,11 +34,12 @@ server namespaces and one colocated server in each worker namespace. With
 processes of a namespace as one host, and so does the plan column). Every
 timed repetition starts with a barrier (a 4-byte push_pull), its time is the
 slowest worker's, and the table shows the median over ``--repeats`` after
-one warm-up. jaxps's partitions (``--partition-kib``) default to 2 ms of
-link time (24 KiB at 100 Mbit/s, 244 KiB at 1 Gbit/s; jaxps' own 4 MiB
-default is 2 ms at about 16 Gbit/s): larger chunks pipeline too coarsely
-(each waits for its whole push before its pull), smaller ones cost CPU per
-chunk (the sweep across link rates is in benchmarks/README.md). Links
+one warm-up. jaxps runs with its own defaults (``partition_bytes="auto"``:
+the workers measure the links at init and pick the partition, and the
+credit follows it) unless ``--partition-kib`` or ``--credit-kib`` set them.
+Larger chunks pipeline too coarsely (each waits for its whole push before
+its pull), smaller ones cost CPU per chunk (the sweep across link rates is
+in benchmarks/README.md). Links
 have an MTU of 9000 (``--mtu``): at 1500 the headers alone cost 4.4% of
 every link, which the formula does not count; the ring runs on the same
 links.
@@ -75,7 +76,8 @@ QUICK = {"mb": 4.0, "repeats": 1, "configs": "4,2"}
 BASE_PORT = 9000
 SERVER_START_TIMEOUT = 90.0
 JAXPS_TIMEOUT = 120  # JAXPS_TIMEOUT of the workers, --round-timeout
-#: Default partition: this much link time (2 ms: 24 KiB at 100 Mbit/s).
+#: The hand-tuned partition of ``--tuned``: this much link time (2 ms:
+#: 24 KiB at 100 Mbit/s).
 PARTITION_SECONDS = 0.002
 GOODPUT_BYTES = 8_000_000
 GOODPUT_SKIP = 1_000_000  # excluded from the goodput: the tbf burst
@@ -366,14 +368,20 @@ class Bench:
         k: int,
         colocated: bool,
         tls: bool = False,
-        defaults: bool = False,
+        tuned: bool = False,
     ) -> dict:
         """One jaxps run: k CPU servers (+ n colocated), n workers; `tls`:
         every server and worker on TLS (`self.tls`: certificate, key);
-        `defaults`: jaxps' own partition and credit, not the bench's."""
+        `tuned`: the hand-tuned partition (`tuned_partition`) instead of
+        ``--partition-kib`` or jaxps' own."""
         label = f"{'mixed' if colocated else 'plain'}-{n}-{k}"
         label += "-tls" if tls else ""
-        label += "-defaults" if defaults else ""
+        label += "-tuned" if tuned else ""
+        partition = (
+            tuned_partition(self.args.rate_mbit)
+            if tuned
+            else self.args.partition_bytes
+        )
         tls_flags: tuple[str, ...] = ()
         if tls:
             tls_flags = ("--tls-cert", self.tls[0], "--tls-key", self.tls[1])
@@ -426,13 +434,9 @@ class Bench:
                         "JAXPS_TRANSPORT": self.args.transport,
                         **({"JAXPS_TLS_CA": self.tls[0]} if tls else {}),
                         **(
-                            {}
-                            if defaults
-                            else {
-                                "JAXPS_PARTITION_BYTES": str(
-                                    self.args.partition_bytes
-                                )
-                            }
+                            {"JAXPS_PARTITION_BYTES": str(partition)}
+                            if partition
+                            else {}
                         ),
                     }
                 )
@@ -443,7 +447,7 @@ class Bench:
                     "--repeats",
                     str(self.args.repeats),
                     "--credit-bytes",
-                    str(0 if defaults else self.args.credit_bytes),
+                    str(self.args.credit_bytes),
                 )
                 workers.append(
                     Proc(
@@ -513,6 +517,18 @@ def _warn_dropped_connections(procs: list[Proc]) -> None:
                 f"  warning: {proc.name} logged {count} connection(s) "
                 "closed by a keepalive ping timeout"
             )
+
+
+def tuned_partition(rate_mbit: float) -> int:
+    """The hand-tuned partition at `rate_mbit`: 2 ms of link time."""
+    kib = round(rate_mbit * 1e6 / 8 * PARTITION_SECONDS / 1024)
+    return 1024 * max(16, kib)
+
+
+def chosen_partition(run: dict) -> int:
+    """The partition the workers of a jaxps run used (the largest, where
+    they differ: none should)."""
+    return max(w["partition"] for w in run["workers"])
 
 
 def plan_link_bytes(
@@ -616,10 +632,12 @@ def print_report(args, cluster, goodput, rows, ring, cpu) -> None:
 
     bandwidth = cluster.rate_bytes
     m = args.elements * 4
+    partitions = sorted({chosen_partition(r["mixed"]) for r in rows.values()})
     credit = jaxps.Config(  # the workers' credit, by jaxps' own rule
-        partition_bytes=args.partition_bytes,
+        partition_bytes=partitions[-1],
         credit_bytes=args.credit_bytes or None,
     ).credit_bytes
+    how = "set" if args.partition_bytes else "jaxps' own 'auto' chose"
     print(f"\n## jaxps on an emulated cluster ({time.strftime('%Y-%m-%d')})\n")
     print(
         f"machine: {os.cpu_count()} cores, {platform.machine()}, Linux "
@@ -633,8 +651,8 @@ def print_report(args, cluster, goodput, rows, ring, cpu) -> None:
         f"{goodput:.1f} Mbit/s of payload"
     )
     print(
-        f"M = {m / 1e6:g} MB float32, partition {args.partition_bytes} B, "
-        f"credit {credit} B, "
+        f"M = {m / 1e6:g} MB float32, partition {how} "
+        f"{'/'.join(map(str, partitions))} B, credit {credit} B, "
         f"transport {args.transport}, "
         f"{args.server_processes} process(es) per CPU server, "
         f"median of {args.repeats} after 1 warm-up; seconds\n"
@@ -654,7 +672,12 @@ def print_report(args, cluster, goodput, rows, ring, cpu) -> None:
         t = statistics.median(row["mixed"]["times"])
         topt = jaxps.optimal_time(n, k, m, bandwidth)
         bound = plan_link_bytes(
-            n, k, m, args.partition_bytes, True, args.server_processes
+            n,
+            k,
+            m,
+            chosen_partition(row["mixed"]),
+            True,
+            args.server_processes,
         )
         r = statistics.median(ring[n]["times"]) if n in ring else None
         plain = row.get("plain")
@@ -777,8 +800,7 @@ def parse_args(argv):
         "--partition-kib",
         type=int,
         default=None,
-        help="jaxps partition size, KiB (default: 2 ms at the link rate, "
-        "e.g. 24 at 100 Mbit/s; jaxps' own default is 4096)",
+        help="jaxps partition size, KiB (default: jaxps' own, 'auto')",
     )
     p.add_argument(
         "--server-processes",
@@ -844,10 +866,10 @@ def parse_args(argv):
         help="also run mixed mode with TLS everywhere, against plaintext",
     )
     p.add_argument(
-        "--defaults",
+        "--tuned",
         action="store_true",
-        help="also run mixed mode with jaxps' own defaults (partition "
-        "'auto'), against the hand-tuned partition",
+        help="also run mixed mode with a hand-tuned partition of 2 ms of "
+        "link time, against the main row",
     )
     p.add_argument(
         "--keep-logs",
@@ -880,18 +902,15 @@ def parse_args(argv):
             setattr(args, name, value)
     if args.mb <= 0 or args.repeats < 1 or args.rate_mbit <= 0:
         p.error("--mb and --rate-mbit must be > 0 and --repeats >= 1")
-    if args.partition_kib is None:
-        args.partition_kib = max(
-            16, round(args.rate_mbit * 1e6 / 8 * PARTITION_SECONDS / 1024)
-        )
-    if args.partition_kib < 1:
+    if args.partition_kib is not None and args.partition_kib < 1:
         p.error("--partition-kib must be >= 1")
     if args.server_processes < 1:
         p.error(f"--server-processes must be >= 1, got {args.server_processes}")
     if any("=" not in kv for kv in args.sysctl):
         p.error("--sysctl takes KEY=VALUE")
     args.elements = max(1, int(args.mb * 1e6) // 4)
-    args.partition_bytes = args.partition_kib * 1024
+    # 0: jaxps' own
+    args.partition_bytes = (args.partition_kib or 0) * 1024
     args.credit_bytes = args.credit_kib * 1024
     return args
 
@@ -962,12 +981,10 @@ def main(argv=None) -> int:
                 log(f"jaxps mixed mode with TLS, n={n} k={k} ...")
                 rows[(n, k)]["tls"] = bench.jaxps(n, k, True, tls=True)
                 log(f"  {_times(rows[(n, k)]['tls'])}")
-            if args.defaults:
-                log(f"jaxps mixed mode with its defaults, n={n} k={k} ...")
-                rows[(n, k)]["defaults"] = bench.jaxps(
-                    n, k, True, defaults=True
-                )
-                log(f"  {_times(rows[(n, k)]['defaults'])}")
+            if args.tuned:
+                log(f"jaxps mixed mode, hand-tuned, n={n} k={k} ...")
+                rows[(n, k)]["tuned"] = bench.jaxps(n, k, True, tuned=True)
+                log(f"  {_times(rows[(n, k)]['tuned'])}")
         print_report(args, cluster, goodput, rows, ring, cpu)
         if args.tls:
             print("\nTLS everywhere (data channel on TLS) against plaintext, ")
@@ -979,20 +996,22 @@ def main(argv=None) -> int:
                     f"  ({n},{k}): plaintext {plain:.2f} s, TLS {tls:.2f} s, "
                     f"TLS/plaintext {tls / plain:.2f}"
                 )
-        if args.defaults:
-            print("\njaxps' own defaults (partition_bytes='auto', its credit)")
-            print("against the hand-tuned partition, mixed mode, in the same")
-            print("run (median slowest worker):")
+        if args.tuned:
+            print("\nthe main row against a hand-tuned partition of 2 ms of")
+            print("link time, mixed mode, in the same run (median slowest")
+            print("worker):")
             for (n, k), row in rows.items():
-                tuned = statistics.median(row["mixed"]["times"])
-                own = statistics.median(row["defaults"]["times"])
-                workers = row["defaults"]["workers"]
-                chosen = {w["partition"] for w in workers}
-                log(f"  ({n},{k}) measured: {workers[0]['tuned']}")
+                main = statistics.median(row["mixed"]["times"])
+                tuned = statistics.median(row["tuned"]["times"])
+                workers = row["mixed"]["workers"]
+                if workers[0]["tuned"]:
+                    log(f"  ({n},{k}) measured: {workers[0]['tuned']}")
+                how = "set" if args.partition_bytes else "'auto' chose"
                 print(
-                    f"  ({n},{k}): {args.partition_bytes} B {tuned:.2f} s, "
-                    f"defaults ({'/'.join(map(str, sorted(chosen)))} B "
-                    f"chosen) {own:.2f} s, defaults/tuned {own / tuned:.2f}"
+                    f"  ({n},{k}): main ({how} {chosen_partition(row['mixed'])}"
+                    f" B) {main:.2f} s, tuned "
+                    f"({tuned_partition(args.rate_mbit)} B) {tuned:.2f} s, "
+                    f"main/tuned {main / tuned:.2f}"
                 )
         log(f"total {time.monotonic() - cpu.wall:.0f} s")
         ok = True

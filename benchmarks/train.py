@@ -98,7 +98,7 @@ LABELS = {
     "after": "jaxps after-backward",
     "psum": "JAX psum (gloo)",
 }
-#: --cluster partitions: this much link time, as cluster.py's default
+#: --cluster partitions: this much link time, as cluster.py's --tuned
 PARTITION_SECONDS = 0.002
 ROOT_PID = "TRAIN_ROOT_PID"  # job cores: this pid and its descendants
 BARRIER = "TRAIN_BARRIER"  # DIR:N, the compute xN jobs start together
