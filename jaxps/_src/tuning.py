@@ -22,6 +22,13 @@ cliff moves with the CPU a worker has to spare, so the ranks try:
    that many small chunks of many workers cost (at 8 workers and 8
    servers on 2 cores, 100 Mbit/s links, the probe put 36 KiB 5-9% ahead
    of 72 KiB, and the 25 MB push_pull then took 3.3-3.7 s against 2.35).
+3. **The check.** The probe of the candidates moved its bytes at some
+   rate too, a floor of the link's (its fixed costs count against it).
+   Where the rate of step 1 is more than `RATE_SLACK` times that floor,
+   step 1 was fooled (load that slowed its small call more than its large
+   one: at 400 Mbit/s it once measured 137 MB/s, 2.7 times the link, and
+   every candidate was too large), so the candidates of the floor join
+   them, all are timed again on one probe, and the choice is among those.
 
 A call ends for every rank once the last rank's push is in, so the rank that
 came last times its transfer alone: after each step every rank's times go
@@ -65,8 +72,12 @@ GRAIN = 4096
 RATE_PROBES = (64 << 10, 1 << 20)
 #: How often each probe is timed (after one warm-up).
 REPEATS = 2
+#: Most the rate of the rate probes may be over the rate the candidates'
+#: probe achieved (measured, ratios of 1.0-1.3 where the rate was right,
+#: 4.4 and 4.9 where it was not).
+RATE_SLACK = 2.0
 #: Push_pulls of a measurement (the bound of the wait for it).
-CALLS = (len(RATE_PROBES) + len(CANDIDATE_SECONDS)) * (REPEATS + 1) + 2
+CALLS = (len(RATE_PROBES) + 3 * len(CANDIDATE_SECONDS)) * (REPEATS + 1) + 3
 #: Measure with servers on loopback addresses too (tests).
 ON_ONE_HOST = False
 #: Names of the probes (no user's name starts with a NUL).
@@ -110,6 +121,19 @@ def choose(times: dict[int, float]) -> int:
     """The partition of the fastest time, or a larger one within `TIE`."""
     best = min(times.values())
     return max(p for p, t in times.items() if t <= best * (1 + TIE))
+
+
+def _probe_bytes(tried: list[int]) -> int:
+    """Bytes per rank of the probe that candidates `tried` cut."""
+    probe = min(max(PROBE_CHUNKS * tried[0], PROBE_BYTES[0]), PROBE_BYTES[1])
+    return probe // GRAIN * GRAIN
+
+
+def probe_candidates(best_times, tried: list[int]) -> dict[int, float]:
+    """The best time of the probe of `tried` cut by each of them."""
+    probe = _probe_bytes(tried)
+    times = best_times([(f"{PROBE_NAME}{probe}/{p}", probe, p) for p in tried])
+    return {p: float(t) for p, t in zip(tried, times)}
 
 
 def measure(
@@ -158,10 +182,12 @@ def measure(
     tried = candidates(rate)
     if len(tried) == 1:
         return Tuned(tried[0], rate, (), time.perf_counter() - began)
-    probe = min(max(PROBE_CHUNKS * tried[0], PROBE_BYTES[0]), PROBE_BYTES[1])
-    probe = probe // GRAIN * GRAIN
-    times = best_times([(f"{PROBE_NAME}{probe}/{p}", probe, p) for p in tried])
-    measured = {p: float(t) for p, t in zip(tried, times)}
+    measured = probe_candidates(best_times, tried)
+    # 3. the check: the bytes per second the candidates' probe moved
+    floor = _probe_bytes(tried) / min(measured.values())
+    if rate > RATE_SLACK * floor:  # all again, on one probe
+        tried = sorted(set(tried) | set(candidates(floor)))
+        measured = probe_candidates(best_times, tried)
     return Tuned(
         choose(measured),
         rate,

@@ -53,6 +53,49 @@ def test_candidates_and_choice():
     assert tuning.choose({16384: 1.0, 32768: 1.02, 65536: 1.5}) == 32768
 
 
+class _Link:
+    """A link of `rate` bytes/s as one rank's push_pulls see it, on a clock
+    of its own: each call costs a fixed time, its bytes, the fill and drain
+    of one partition, and CPU per chunk; the small rate probe is slowed by
+    `load` seconds (other processes), as the fooled measurement was."""
+
+    def __init__(self, rate, load=0.0):
+        self.rate, self.load, self.now = rate, load, 0.0
+
+    def perf_counter(self):
+        return self.now
+
+    def push_pull(self, name, array, partition):
+        nbytes = array.nbytes
+        chunks = -(-nbytes // partition)
+        self.now += 0.002 + (nbytes + partition) / self.rate + chunks * 2e-4
+        if name == f"{tuning.PROBE_NAME}{tuning.RATE_PROBES[0]}":
+            self.now += self.load
+        return array  # one rank: the sum is its own
+
+
+@pytest.mark.parametrize("load", [0.0, 0.03])
+def test_a_fooled_rate_probe_is_caught_by_the_candidates_probe(
+    monkeypatch, load
+):
+    link = _Link(40e6, load)
+    monkeypatch.setattr(tuning, "time", link)  # its clock
+    tuned = tuning.measure(link.push_pull, num_servers=2, rank=0, size=1)
+    tried = [p for p, _ in tuned.candidates]
+    fooled = tuning.candidates(tuned.rate)
+    if not load:  # about right: 2, 4 and 8 ms of it, timed once
+        assert 20e6 < tuned.rate < 45e6, tuned.rate
+        assert tried == fooled
+    else:  # far above the link: the candidates of what the probe moved
+        assert tuned.rate > 2.5 * 40e6, tuned.rate
+        assert set(fooled) < set(tried), tried
+        assert min(tried) < min(fooled) / 2, tried
+        # below the largest of the fooled ones, which the tie rule took
+        # among those alone
+        assert tuned.partition_bytes < max(fooled), tuned
+    assert tuned.partition_bytes == tuning.choose(dict(tuned.candidates))
+
+
 @pytest.mark.timeout(60)
 def test_ranks_agree_on_one_partition(start_servers, monkeypatch, tmp_path):
     monkeypatch.setattr(tuning, "ON_ONE_HOST", True)  # measure on loopback
