@@ -21,7 +21,9 @@ cliff moves with the CPU a worker has to spare, so the ranks try:
    far more than one too large, and a short probe hardly shows the CPU
    that many small chunks of many workers cost (at 8 workers and 8
    servers on 2 cores, 100 Mbit/s links, the probe put 36 KiB 5-9% ahead
-   of 72 KiB, and the 25 MB push_pull then took 3.3-3.7 s against 2.35).
+   of 72 KiB, and the 25 MB push_pull then took 3.3-3.7 s against 2.35;
+   in a later run 32 KiB 28% ahead of 68 KiB, and the push_pull took
+   4.63 s with 32 KiB against 2.72 s with 64 KiB in the run before).
 3. **The check.** The probe of the candidates moved its bytes at some
    rate too, a floor of the link's (its fixed costs count against it).
    Where the rate of step 1 is more than `RATE_SLACK` times that floor,
@@ -57,8 +59,10 @@ from jaxps._src import config as config_module
 #: Candidate partitions, in seconds of the measured rate.
 CANDIDATE_SECONDS = (0.002, 0.004, 0.008)
 #: A larger candidate wins over the fastest within this fraction of it
-#: (benchmarks/README.md, "the call check in a piece's header").
-TIE = 0.15
+#: (benchmarks/README.md, "the call check in a piece's header" and
+#: "(night): cluster.py with jaxps' own defaults"): too small a partition
+#: cost up to 1.7x, too large one at most 1.07x.
+TIE = 0.3
 #: The probe of the candidates: at least this many chunks of the smallest.
 PROBE_CHUNKS = 32
 #: Bounds of the partition chosen (4 MiB: the fixed default).

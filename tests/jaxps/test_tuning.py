@@ -48,9 +48,11 @@ def test_candidates_and_choice():
     assert tuning.candidates(1e3) == [tuning.MIN_PARTITION]
     assert tuning.candidates(1e12) == [tuning.MAX_PARTITION]
     assert tuning.candidates(math.inf) == [tuning.MAX_PARTITION]
-    # the fastest, or a larger one within 3% of it
-    assert tuning.choose({16384: 1.0, 32768: 1.2, 65536: 2.0}) == 16384
-    assert tuning.choose({16384: 1.0, 32768: 1.02, 65536: 1.5}) == 32768
+    # the fastest, or a larger one within `TIE` of it
+    tie = 1 + tuning.TIE
+    assert tuning.choose({16384: 1.0, 32768: tie + 0.1, 65536: 2.0}) == 16384
+    assert tuning.choose({16384: 1.0, 32768: tie - 0.01, 65536: 2.0}) == 32768
+    assert tuning.choose({16384: 1.1, 32768: 1.0, 65536: tie}) == 65536
 
 
 class _Link:
