@@ -386,15 +386,19 @@ def send_frame(sock: socket.socket, *parts) -> None:
     """Sends `parts` (bytes, memoryviews or arrays) in order, with as few
     system calls as possible: one ``sendmsg`` on a plain socket (per
     `SEND_VECTORS` parts); on TLS, the small head (the first part) in one
-    record and each part of the payload straight after."""
+    record and the payload straight after (its parts joined where there
+    are several: encrypting copies them anyway, and each ``sendall`` of a
+    small part would be a record of its own)."""
     views = []
     for part in parts:
         if isinstance(part, np.ndarray):  # also dtypes without a format
             part = part.reshape(-1).view(np.uint8)
         views.append(memoryview(part).cast("B"))
     if isinstance(sock, ssl.SSLSocket):
-        for view in views:
-            sock.sendall(view)
+        head, *body = views
+        sock.sendall(head)
+        if body:
+            sock.sendall(body[0] if len(body) == 1 else b"".join(body))
         return
     for first in range(0, len(views), SEND_VECTORS):
         batch = views[first : first + SEND_VECTORS]

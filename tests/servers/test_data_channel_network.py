@@ -16,6 +16,7 @@ import pytest
 from jaxps._src.config import Config
 from jaxps._src.runtime import Runtime
 from jaxps._src.transport import data as transport_data
+from jaxps._src.transport import shm
 from jaxps.servers import _wire
 
 
@@ -90,8 +91,44 @@ def test_tls_keeps_the_data_channel(start_servers, certificate, mutual):
             for c in connections(runtimes)
         )
         sum_exactly(runtimes)
+        # a fused piece of more tensors than one sendmsg takes: on TLS its
+        # parts are joined into one record
+        count = _wire.SEND_VECTORS + 100
+        names = [f"s{i}" for i in range(count)]
+        handles = [
+            rt.push_pull_async(
+                names,
+                [np.full(3, float(i + r), np.float32) for i in range(count)],
+                average=False,
+            )
+            for r, rt in enumerate(runtimes)
+        ]
+        for handle in handles:
+            for i, out in enumerate(handle.wait(30)):
+                np.testing.assert_array_equal(out, 2.0 * i + 1)
         # every chunk went over the TLS data channel, none fell back
         assert all(c is not None for c in connections(runtimes))
+    finally:
+        close(runtimes)
+
+
+@pytest.mark.timeout(60)
+def test_slots_are_named_on_a_tls_data_channel(
+    start_servers, certificate, monkeypatch
+):
+    # A TLS server on this host: the payloads stay in shared memory and
+    # the requests that name their slots go on the TLS data channel.
+    monkeypatch.setattr(shm, "SMALL_BYTES", 0)
+    cert, key = certificate
+    (server,) = start_servers(1, 2, "--tls-cert", cert, "--tls-key", key)
+    runtimes = job(server, tls_ca=cert, transport="auto")
+    try:
+        sum_exactly(runtimes)
+        for rt in runtimes:
+            (transport,) = [t.current for t in rt._transports]
+            conn = transport.small.connection  # still up: none fell back
+            assert conn is not None and isinstance(conn.sock, ssl.SSLSocket)
+            assert transport.pool.segment_ids  # the payloads went in slots
     finally:
         close(runtimes)
 
