@@ -503,10 +503,11 @@ class _Connection:
         name = bytearray(name_len)
         _wire.recv_exact(self.sock, memoryview(name))
         slot = None
+        buf = None
         if in_slot:  # the payload is in the worker's shared memory
-            buf = bytearray(_wire.DATA_SLOT.size)
-            _wire.recv_exact(self.sock, memoryview(buf))
-            slot = _Slot(*_wire.DATA_SLOT.unpack(buf))
+            ref = bytearray(_wire.DATA_SLOT.size)
+            _wire.recv_exact(self.sock, memoryview(ref))
+            slot = _Slot(*_wire.DATA_SLOT.unpack(ref))
         else:
             buf = self.channel.pool.take(nbytes)
             _wire.recv_exact(self.sock, memoryview(buf))
@@ -527,8 +528,6 @@ class _Connection:
             h.name = name.decode(errors="replace")
         with self._busy_lock:
             self._busy += 1
-        if slot is not None:
-            buf = None
         asyncio.run_coroutine_threadsafe(
             self._serve(h, rid, buf, checksum, timeout, slot),
             self.channel.loop,

@@ -120,6 +120,15 @@ def payload(source: np.ndarray | Gather) -> np.ndarray:
     return source.joined() if isinstance(source, Gather) else source
 
 
+def copy_payload(source: np.ndarray | Gather, out: np.ndarray) -> None:
+    """Writes a piece's payload into the flat array `out` (one copy, also
+    of a `Gather`)."""
+    if isinstance(source, Gather):
+        source.copy_into(out)
+    else:
+        np.copyto(out, source.reshape(-1))
+
+
 class Buffers(NamedTuple):
     """The arrays of one piece: its payload and where its sum goes."""
 

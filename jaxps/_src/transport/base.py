@@ -34,11 +34,9 @@ ABORT_TIMEOUT = 1.0
 
 def fingerprint(source: np.ndarray | Gather) -> int:
     """The wire checksum of a payload (`_wire.fingerprint`)."""
-    if isinstance(source, Gather):
-        return _wire.fingerprint_parts(
-            p.reshape(-1).view(np.uint8) for p in source.parts
-        )
-    return _wire.fingerprint(source.reshape(-1).view(np.uint8))
+    return _wire.fingerprint_parts(
+        p.reshape(-1).view(np.uint8) for p in parts_of(source)
+    )
 
 
 def parts_of(source: np.ndarray | Gather) -> tuple[np.ndarray, ...]:

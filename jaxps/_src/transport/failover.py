@@ -180,10 +180,7 @@ class RecoveringTransport(Transport):
                     or payload.dtype != source.dtype
                 ):
                     payload = np.empty(source.size, source.dtype)
-                if isinstance(source, plan.Gather):
-                    source.copy_into(payload)
-                else:
-                    np.copyto(payload, source.reshape(-1))
+                plan.copy_payload(source, payload)
             # The header as it is (it is not changed once its chunk is
             # done): CopyFrom into one kept message would grow its arena.
             self._kept[key] = (chunk.header, payload, chunk.private)

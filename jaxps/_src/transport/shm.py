@@ -41,7 +41,7 @@ import grpc
 import numpy as np
 
 from jaxps._src import errors
-from jaxps._src.plan import Gather
+from jaxps._src.plan import copy_payload
 from jaxps._src.transport.base import (
     Chunk,
     Credit,
@@ -261,11 +261,7 @@ class ShmTransport(Transport):
             return
         pushed = self._span("queue", chunk.queued, chunk)
         h, source = chunk.header, chunk.source
-        into = slot.array(source.dtype, source.size)
-        if isinstance(source, Gather):  # one copy, not two
-            source.copy_into(into)
-        else:
-            np.copyto(into, source)
+        copy_payload(source, slot.array(source.dtype, source.size))
         credit.release(chunk.nbytes)
         pulling = self._span("push", pushed, chunk)
         deadline = time.monotonic() + pull_deadline(self.timeout)
@@ -310,15 +306,17 @@ class ShmTransport(Transport):
         data connection `conn`: no gRPC call per chunk, and the sum comes
         back in the slot. False if `conn` is broken (nothing was sent)."""
 
-        def in_slot() -> tuple[np.ndarray, int]:
-            return slot.array(chunk.dest.dtype, chunk.dest.size), counted[0]
-
-        counted = [0]
-
         def on_done(err, contributors=0):
             if err is None:
-                counted[0] = contributors
-                self._complete(chunk, pulling, in_slot, keep)
+                self._complete(
+                    chunk,
+                    pulling,
+                    lambda: (
+                        slot.array(chunk.dest.dtype, chunk.dest.size),
+                        contributors,
+                    ),
+                    keep,
+                )
             elif isinstance(err, errors.ServerUnavailableError):
                 self.small.drop(conn, err)
                 threading.Thread(
