@@ -40,6 +40,7 @@ ENV = {
     "transport": "JAXPS_TRANSPORT",
     "recovery_window": "JAXPS_RECOVERY_WINDOW",
     "credit_bytes": "JAXPS_CREDIT_BYTES",
+    "retune_calls": "JAXPS_RETUNE_CALLS",
 }
 
 #: Default credit, in partitions: enough to keep the worker's link busy (a
@@ -69,7 +70,8 @@ class Config:
       partition_bytes: tensors are cut into chunks of at most this many
         bytes. ``"auto"`` (the default): about 2 ms of the link rate that
         the workers measure together at init (within 16 KiB and 4 MiB; the
-        same on every rank), see `jaxps._src.tuning`.
+        same on every rank), see `jaxps._src.tuning`; measured again
+        while the job runs where the rate moves (`retune_calls`).
       timeout: seconds any wait may take (connect, a round, a pull) before it
         fails naming what it waited for.
       credit_bytes: bytes being pushed at once, to all servers together;
@@ -96,6 +98,11 @@ class Config:
         stopped answering must be back; the worker then connects again,
         pushes again what the server lost and goes on without losing a
         step (synchronous mode). 0 turns failover off.
+      retune_calls: with ``partition_bytes="auto"``, every this many
+        calls of a name the ranks compare the rate their calls achieved
+        with the rate after the last measurement, and measure again where
+        it moved more than 2x (see `jaxps._src.retune`). 0: measure once,
+        at init.
       generation: the elastic membership generation of this init, set by
         `jaxps.elastic.run` (0: not elastic). The servers then take the job
         incarnation's size from `num_workers`, not from ``--num-workers``.
@@ -117,6 +124,7 @@ class Config:
     shm_bytes: int = 64 * DEFAULT_PARTITION_BYTES
     transport: str = "auto"
     recovery_window: float = 10.0
+    retune_calls: int = 32
     generation: int = 0
 
     def __post_init__(self):
@@ -139,6 +147,12 @@ class Config:
         if self.credit_bytes is not None:
             _check_int("credit_bytes", self.credit_bytes, low=1)
         _check_int("shm_bytes", self.shm_bytes, low=0)
+        _check_int("retune_calls", self.retune_calls, low=0)
+        if self.retune_calls == 1:
+            raise errors.ConfigError(
+                "retune_calls must be 0 (measure once) or >= 2 (the rates go "
+                "out halfway through the calls). Got retune_calls=1."
+            )
         if self.transport not in TRANSPORTS:
             raise errors.ConfigError(
                 f"transport must be one of {', '.join(TRANSPORTS)}. Got "

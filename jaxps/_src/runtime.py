@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxps._src import errors, plan, topology, tuning
+from jaxps._src import errors, plan, retune, topology, tuning
 from jaxps._src import timeline as _timeline
 from jaxps._src.config import AUTO, CREDIT_PARTITIONS, Config
 from jaxps._src.sender import Sender
@@ -332,6 +332,9 @@ class Runtime:
         self.tuned: tuning.Tuned | None = None
         self._tuned = threading.Event()
         self._tune_error: BaseException | None = None
+        #: with "auto" and `Config.retune_calls`: measures again while the
+        #: job runs (`retune`), from the end of the measurement at init
+        self._retune: retune.Retuner | None = None
         credit = max(
             config.credit_bytes or CREDIT_PARTITIONS * self.partition_bytes,
             self.partition_bytes,
@@ -377,6 +380,33 @@ class Runtime:
     def _tune(self) -> None:
         """Measures the links with the other ranks and sets the partition
         (`tuning`); the first push_pull waits for it."""
+        try:
+            tuned = self._measure("tune")
+        except BaseException as err:  # noqa: BLE001 - the first call raises it
+            self._tune_error = err
+            self._tuned.set()
+            return
+        if self.config.retune_calls:
+            self._retune = retune.Retuner(
+                tuned.partition_bytes,
+                self.config.retune_calls,
+                self.rank,
+                self.size,
+                self._agree,
+                lambda: self._measure("retune").partition_bytes,
+                tuning.CALLS * pull_deadline(self.config.timeout),
+            )
+        self._tuned.set()
+
+    def _agree(self, name: str, array: np.ndarray) -> Handle:
+        """A push_pull of `array` summed over the ranks (`retune`)."""
+        return self._push_pull_async(
+            [name], [array], average=False, partition=tuning.MAX_PARTITION
+        )
+
+    def _measure(self, what: str) -> tuning.Tuned:
+        """`tuning.measure` with every rank; applies, logs and traces its
+        choice (`what`: "tune" at init, "retune" later)."""
         began = _timeline.now()
 
         def push_pull(name, array, partition):
@@ -385,27 +415,22 @@ class Runtime:
             )
             return handle.wait()[0]
 
-        try:
-            tuned = tuning.measure(
-                push_pull,
-                len(self._transports) // self._channels,
-                self.rank,
-                self.size,
-            )
-        except BaseException as err:  # noqa: BLE001 - the first call raises it
-            self._tune_error = err
-            self._tuned.set()
-            return
+        tuned = tuning.measure(
+            push_pull,
+            len(self._transports) // self._channels,
+            self.rank,
+            self.size,
+        )
         self.partition_bytes = tuned.partition_bytes
         credit = self.config.credit_bytes or (
             CREDIT_PARTITIONS * tuned.partition_bytes
         )
         self._sender.set_credit(max(credit, tuned.partition_bytes))
         self.tuned = tuned
-        self._tuned.set()
         log.info(
-            "jaxps: partition_bytes=auto chose %d bytes, credit %d bytes "
+            "jaxps: partition_bytes=auto %s %d bytes, credit %d bytes "
             "(%.3g MB/s per rank; tried %s; in %.2f s)",
+            "chose" if what == "tune" else "measured again and chose",
             tuned.partition_bytes,
             self._sender.credit,
             tuned.rate / 1e6,
@@ -414,7 +439,7 @@ class Runtime:
         )
         if self.timeline is not None:
             self.timeline.span(
-                "tune",
+                what,
                 "runtime",
                 began,
                 _timeline.now(),
@@ -423,6 +448,7 @@ class Runtime:
                 rate=tuned.rate,
                 candidates=[list(c) for c in tuned.candidates],
             )
+        return tuned
 
     def _wait_tuned(self) -> None:
         """Waits for `_tune` (each of its push_pulls has a deadline);
@@ -545,7 +571,7 @@ class Runtime:
             call=call,
             donate=donate,
             check=check,
-            partition=self.partition_bytes,
+            partition=None,
         )
 
     def _push_pull_async(
@@ -553,7 +579,7 @@ class Runtime:
         names: Sequence[str],
         arrays: Sequence[np.ndarray],
         *,
-        partition: int,
+        partition: int | None,
         average: bool = True,
         priorities: Sequence[int] | None = None,
         mode: str = "sync",
@@ -562,7 +588,7 @@ class Runtime:
         check: plan.CallCheck | None = None,
     ) -> Handle:
         """`push_pull_async`, planned with `partition` bytes (and not
-        waiting for `_tune`)."""
+        waiting for `_tune`); None: the partition chosen (`_partition`)."""
         if len(names) != len(arrays):
             raise ValueError(
                 f"got {len(names)} names for {len(arrays)} arrays."
@@ -599,7 +625,14 @@ class Runtime:
         elif check is None:
             check = self._call_check(names, flats, shapes, call)
         live_flats = [flats[i] for i in live]
+        timed, retuned = None, False
+        if partition is None:
+            partition, timed = self._partition(check, live_flats)
+            retuner = self._retune
+            retuned = retuner is not None and partition != retuner.base
         wire_names = self._begin(names, [names[i] for i in live], live_flats)
+        if retuned:  # chunks of another length: keys of their own (`retune`)
+            wire_names = [f"{w}@{partition}B" for w in wire_names]
         try:
             pieces = self._plan(
                 wire_names,
@@ -629,7 +662,7 @@ class Runtime:
             outs,
             shapes,
             len(pieces) + (check is not None and carrier < 0),
-            lambda: self._end(names, handle),
+            lambda: self._end(names, handle, timed),
             timeout,
             self.timeline,
             checked=check is not None,
@@ -750,6 +783,8 @@ class Runtime:
             self._rounds = {}  # the servers start every key again, too
             self._join_epoch += 1
             self._joined = False
+        if self._retune is not None:  # from the partition chosen at init
+            self._retune.reset()
         for transport in self._transports:
             if isinstance(transport, RecoveringTransport):
                 transport.forget_rounds()
@@ -849,10 +884,26 @@ class Runtime:
                     self._rounds[wire] = rounds[wire] + 1
             return rounds
 
-    def _end(self, names, handle: Handle | None = None) -> None:
+    def _end(self, names, handle: Handle | None = None, timed=None) -> None:
         with self._lock:
             self._in_flight.difference_update(names)
             self._live.discard(handle)
+        if timed is not None and handle is not None and handle.error is None:
+            nbytes, began = timed
+            self._retune.ended(nbytes / (time.perf_counter() - began))
+
+    def _partition(self, check, flats) -> tuple[int, tuple | None]:
+        """The partition of a user's call, and what times it for `retune`
+        ((bytes, start) where it is timed, else None)."""
+        if self._retune is None or check is None:
+            return self.partition_bytes, None
+        with self._lock:
+            number = self._rounds.get(check.wire_name, 0)
+        partition = self._retune.partition(number)
+        nbytes = sum(f.nbytes for f in flats)
+        if nbytes < retune.MIN_CHUNKS * partition:
+            return partition, None
+        return partition, (nbytes, time.perf_counter())
 
     def close(self) -> None:
         """Stops the sender threads and closes the channels."""
