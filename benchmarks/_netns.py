@@ -303,6 +303,20 @@ class Cluster:
             self.shape(host.ns, "eth0")
             self.shape(self.hub, host.port_name)
 
+    def set_rate(self, rate_mbit: float) -> None:
+        """Shapes every link to `rate_mbit` from now on (the qdiscs are
+        replaced in place; connections stay)."""
+        if rate_mbit <= 0:
+            raise ValueError(f"rate_mbit must be > 0, got {rate_mbit}")
+        if self.qdisc != "tbf":  # htb's classes would be added twice
+            raise ValueError("set_rate shapes tbf links only")
+        if rate_mbit == self.rate_mbit:
+            return
+        self.rate_mbit = rate_mbit
+        for host in self.hosts:
+            self.shape(host.ns, "eth0")
+            self.shape(self.hub, host.port_name)
+
     def shape(self, ns: str, dev: str) -> None:
         """Limits the egress of `dev` in `ns` to the link rate."""
         if self.qdisc == "tbf":

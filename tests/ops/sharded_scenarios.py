@@ -615,5 +615,56 @@ def check_errors():
     )
 
 
+def check_retune():
+    """partition_bytes="auto" measuring again while sharded steps run
+    (`_measure_again`): the ranks measure every other epoch of 2 calls,
+    inside the devices' start callbacks of shard_map, while the other
+    devices' callbacks wait for the choice, and the partition changes each
+    time. A sharded jit after it goes through the same partitions (its
+    calls count from 0). Training on exact data ends with the bits of one
+    process on the whole batch."""
+    global STEPS
+    from jaxps._src import state
+
+    saved, STEPS = STEPS, 12
+    try:
+        with _exactly():
+            _train("auto", _shard_map_step)
+            _train("explicit", _push_pull_step)
+    finally:
+        STEPS = saved
+    runtime = state.runtime()
+    suffixes = {w.rpartition("@")[2] for w in runtime._rounds}
+    # the reference at calls 2, 6 and 10, measured at calls 4 and 8
+    assert runtime._retune.measured == 2, runtime._retune.measured
+    assert {f"{p}B" for p in RETUNED[1:]} <= suffixes, suffixes
+
+
+#: What `check_retune`'s measurements choose, in turn (init: the first).
+RETUNED = (65536, 262144, 131072)
+
+
+def _measure_again():
+    """Before init, for `check_retune`: the ranks measure on loopback (as
+    they would across hosts), with epochs of 2 calls, and any rate counts
+    as moved. The measurement is the real one; what it chooses is
+    replaced by `RETUNED` in turn (the same on every rank)."""
+    from jaxps._src import retune, tuning
+
+    real, measured = tuning.measure, []
+
+    def measure(push_pull, num_servers, rank, size):
+        tuned = real(push_pull, num_servers, rank, size)
+        measured.append(tuned)
+        chosen = RETUNED[(len(measured) - 1) % len(RETUNED)]
+        return tuned._replace(partition_bytes=chosen)
+
+    tuning.ON_ONE_HOST, tuning.measure = True, measure
+    retune.CHANGE = 0.0
+    os.environ["JAXPS_RETUNE_CALLS"] = "2"
+
+
 if __name__ == "__main__":
+    if "retune" in sys.argv[1:]:
+        _measure_again()
     scenarios.main(sys.argv[1:], globals())

@@ -57,3 +57,14 @@ def test_every_path_bitwise_where_sums_are_exact(start_servers, tmp_path):
     run_job(
         servers, 2, ["bitwise"], tmp_path, timeout=240, script=SCRIPT, devices=4
     )
+
+
+@pytest.mark.timeout(300)
+def test_partition_measured_again_inside_sharded_steps(start_servers, tmp_path):
+    """partition_bytes="auto" measures again and switches partitions while
+    shard_map and a sharded jit train on 4 devices (`check_retune`; about
+    15 s, so it is in the fast suite)."""
+    servers = start_servers(2, 2, "--round-timeout", "60")
+    run_job(
+        servers, 2, ["retune"], tmp_path, timeout=240, script=SCRIPT, devices=4
+    )
