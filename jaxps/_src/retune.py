@@ -97,6 +97,9 @@ class Retuner:
         self._agree, self._measure = agree, measure
         self._deadline = deadline
         self._cond = threading.Condition()
+        self._generation = 0  # resets so far (a decision of an older drops)
+        #: times measured again since init (read by tests, benchmarks)
+        self.measured = 0
         self.reset()
 
     def reset(self) -> None:
@@ -111,9 +114,7 @@ class Retuner:
             self._timed: list[float] = []
             self._reference: float | None = None
             self._error: BaseException | None = None
-            self._generation = getattr(self, "_generation", 0) + 1
-            #: times measured again since init (read by tests, benchmarks)
-            self.measured = getattr(self, "measured", 0)
+            self._generation += 1
             self._cond.notify_all()
 
     @property
@@ -206,17 +207,26 @@ class Retuner:
         """Epoch `epoch`'s partition from the rates of every rank."""
         try:
             rates = handle.wait(left)[0].reshape(self._size, 2)
-        except BaseException as err:
-            raise type(err)(
+        except errors.JaxpsError as err:
+            raise _explained(
+                err,
                 f"partition_bytes='auto': the rates of epoch {epoch} did "
-                f"not come back from every rank: {err}"
+                "not come back from every rank",
             ) from err
         with self._cond:
             current = self._changes[-1][1]
             again = self._moved(rates)
         if not again:
             return current
-        partition = self._measure()
+        try:
+            partition = self._measure()
+        except errors.JaxpsError as err:
+            raise _explained(
+                err,
+                "partition_bytes='auto': measuring the links again with "
+                f"the other ranks, at epoch {epoch} (the rate moved), "
+                "failed",
+            ) from err
         with self._cond:
             self.measured += 1
             self._reference = None
@@ -235,3 +245,12 @@ class Retuner:
             self._reference = rate
             return False
         return max(rate / self._reference, self._reference / rate) > CHANGE
+
+
+def _explained(err: errors.JaxpsError, what: str) -> errors.JaxpsError:
+    """`err` of the same type, its message after `what`."""
+    text = f"{what}: {err}"
+    try:
+        return type(err)(text)
+    except Exception:  # noqa: BLE001 - an error of other arguments
+        return errors.JaxpsError(text)

@@ -326,7 +326,8 @@ class Runtime:
         #: whether the servers hold parameters (async mode)
         self.async_servers = modes == {True}
         #: the partition planned with (`partition_bytes="auto"`: the
-        #: largest until the ranks have chosen, see `_tune`)
+        #: largest until the ranks have chosen, see `_tune`; then the last
+        #: they chose, while a call plans with its epoch's, see `retune`)
         self.partition_bytes = config.largest_partition
         #: what the ranks chose with "auto" (a `tuning.Tuned`), else None
         self.tuned: tuning.Tuned | None = None

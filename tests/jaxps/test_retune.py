@@ -4,6 +4,7 @@ servers, workers in threads."""
 
 import concurrent.futures
 import json
+import time
 
 import numpy as np
 import pytest
@@ -151,6 +152,54 @@ def test_retune_calls_zero_measures_once(start_servers, monkeypatch):
             np.testing.assert_array_equal(handle.wait(30)[0], x)
         for rt in rts:
             assert rt.tuned is not None and rt._retune is None
+    finally:
+        for rt in rts:
+            rt.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_lost_while_measuring_again_is_named(start_servers, monkeypatch):
+    """Rank 1 makes 4 calls and leaves; rank 0's fifth call starts the
+    measurement (any rate counts as moved), whose first push_pull waits
+    for rank 1: the call fails within the deadline, naming rank 1, and so
+    does the next one instead of waiting again."""
+    monkeypatch.setattr(tuning, "ON_ONE_HOST", True)
+    monkeypatch.setattr(retune, "CHANGE", 0.0)
+    monkeypatch.setattr(retune, "MIN_CHUNKS", 0)  # every call is timed
+    servers = start_servers(1, 2, "--round-timeout", "2")
+
+    def start(rank):
+        return Runtime(
+            Config(
+                servers=(servers[0].address,),
+                num_workers=2,
+                worker_rank=rank,
+                retune_calls=2,
+                timeout=2.0,
+            )
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        rts = list(pool.map(start, range(2)))
+    x = np.ones(1 << 16, np.float32)
+
+    def train(rank, calls):
+        for _ in range(calls):
+            rts[rank].push_pull("g", x)
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            list(pool.map(train, (0, 1), (4, 4)))
+        rts[1].close()
+        began = time.monotonic()
+        with pytest.raises(errors.RoundTimeoutError) as raised:
+            rts[0].push_pull("g", x)
+        assert time.monotonic() - began < 15
+        text = str(raised.value)  # a push_pull of the measurement's
+        assert "rank(s) [1]" in text, text
+        assert "measuring the links again" in text and "epoch 2" in text, text
+        with pytest.raises(errors.JaxpsError, match="failed earlier"):
+            rts[0].push_pull("g", x)
     finally:
         for rt in rts:
             rt.close()
