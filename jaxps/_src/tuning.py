@@ -39,6 +39,11 @@ repetition. Every rank computes the result from the same sum, so all plan
 with the same partition, as they must: the servers' keys derive from the
 plan.
 
+Where the larger rate probe was no slower than the small one, the rate is
+unknown (inf in `Tuned.rate`; load slowed the small one, as seen once at 1
+Gbit/s): the candidates are those of the larger probe's own rate, a floor
+of the link's, and they are timed as in step 2.
+
 Where every server is on this host (loopback addresses), the partition is
 `MAX_PARTITION` without measuring: no link is there to overlap, and each
 chunk costs the CPU that also moves the bytes (on 2 cores, 256 KiB
@@ -95,7 +100,8 @@ class Tuned(NamedTuple):
     Attributes:
       partition_bytes: the partition every rank uses.
       rate: the rate measured, bytes of a rank per second (inf: the larger
-        probe was no slower than the small one).
+        probe was no slower than the small one; the candidates are then of
+        the larger probe's own rate).
       candidates: the partitions tried, and the best time of each.
       seconds: how long measuring took on this rank.
     """
@@ -182,14 +188,17 @@ def measure(
     )
     extra = float(large - small)
     rate = (RATE_PROBES[1] - RATE_PROBES[0]) / extra if extra > 0 else math.inf
-    # 2. the partition: one probe, cut by each candidate
-    tried = candidates(rate)
+    # 2. the partition: one probe, cut by each candidate; where the larger
+    # probe was no faster than the small one (load slowed the small one)
+    # the rate is unknown: the candidates of what the larger one moved
+    known = math.isfinite(rate)
+    tried = candidates(rate if known else RATE_PROBES[1] / float(large))
     if len(tried) == 1:
         return Tuned(tried[0], rate, (), time.perf_counter() - began)
     measured = probe_candidates(best_times, tried)
     # 3. the check: the bytes per second the candidates' probe moved
     floor = _probe_bytes(tried) / min(measured.values())
-    if rate > RATE_SLACK * floor:  # all again, on one probe
+    if known and rate > RATE_SLACK * floor:  # all again, on one probe
         tried = sorted(set(tried) | set(candidates(floor)))
         measured = probe_candidates(best_times, tried)
     return Tuned(

@@ -76,7 +76,7 @@ class _Link:
         return array  # one rank: the sum is its own
 
 
-@pytest.mark.parametrize("load", [0.0, 0.03])
+@pytest.mark.parametrize("load", [0.0, 0.03, 0.05])
 def test_a_fooled_rate_probe_is_caught_by_the_candidates_probe(
     monkeypatch, load
 ):
@@ -85,7 +85,14 @@ def test_a_fooled_rate_probe_is_caught_by_the_candidates_probe(
     tuned = tuning.measure(link.push_pull, num_servers=2, rank=0, size=1)
     tried = [p for p, _ in tuned.candidates]
     fooled = tuning.candidates(tuned.rate)
-    if not load:  # about right: 2, 4 and 8 ms of it, timed once
+    if load == 0.05:  # the small probe no faster: no rate, but a floor
+        assert tuned.rate == math.inf, tuned
+        # the larger probe moved 1 MiB in 42 ms (its 2 chunks' partition
+        # filled and drained): 25 MB/s, timed once
+        large = 0.002 + 1.5 * (1 << 20) / 40e6 + 2 * 2e-4
+        assert tried == tuning.candidates((1 << 20) / large), tried
+        assert tuned.partition_bytes < tuning.MAX_PARTITION, tuned
+    elif not load:  # about right: 2, 4 and 8 ms of it, timed once
         assert 20e6 < tuned.rate < 45e6, tuned.rate
         assert tried == fooled
     else:  # far above the link: the candidates of what the probe moved
