@@ -174,9 +174,9 @@ class Retuner:
                 if left <= 0:
                     raise errors.RoundTimeoutError(
                         f"partition_bytes='auto': the partition of epoch "
-                        f"{self._decided + 1} (calls {self.every} rounds "
-                        f"each) was not decided within {self._deadline:g} s "
-                        f"on rank {self._rank}."
+                        f"{self._decided + 1} (epochs of {self.every} calls "
+                        f"of a name) was not decided within "
+                        f"{self._deadline:g} s on rank {self._rank}."
                     )
                 nxt = self._decided + 1
                 handle = self._agreed.get(nxt)
@@ -197,6 +197,7 @@ class Retuner:
                 raise
             with self._cond:
                 if generation == self._generation:
+                    del self._agreed[nxt]  # its sums are read
                     if partition != self._changes[-1][1]:
                         self._changes.append((nxt, partition))
                     self._decided = nxt
