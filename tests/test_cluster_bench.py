@@ -40,7 +40,13 @@ def _namespaces() -> set[str]:
 
 
 def _quick_run(*flags: str, timeout: float = 270) -> str:
-    """Runs ``cluster.py --quick *flags``; returns its stdout.
+    """Runs ``cluster.py --quick *flags``; returns its stdout."""
+    return _bench_run(SCRIPT, "--quick", *flags, timeout=timeout)
+
+
+def _bench_run(script: Path, *flags: str, timeout: float) -> str:
+    """Runs the namespace benchmark `script` with `flags`; returns its
+    stdout.
 
     Skips without root or iproute2; fails unless it exits 0 and leaves no
     namespace behind.
@@ -64,7 +70,7 @@ def _quick_run(*flags: str, timeout: float = 270) -> str:
         if not k.startswith("JAXPS_") and k != "XLA_FLAGS"
     }
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--quick", *flags],
+        [sys.executable, str(script), *flags],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -84,7 +90,7 @@ def _quick_run(*flags: str, timeout: float = 270) -> str:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate(timeout=10)
         _netns_module().cleanup(own)
-        pytest.fail(f"benchmarks/cluster.py --quick took more than {timeout} s")
+        pytest.fail(f"{script.name} {flags} took more than {timeout} s")
 
     # Only its own: another run of the benchmark may be going on.
     left = {ns for ns in _namespaces() if ns.startswith(own)}
@@ -112,6 +118,39 @@ def test_cluster_quick_run_prints_table_and_cleans_up():
     # The plan counts the 2 processes of a host as one server of t_opt.
     assert bound <= topt * 1.1, row
     assert cells[7] != "-", row  # the plain PS ran too
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_retune_bench_measures_again_when_the_links_change():
+    """benchmarks/retune.py, small: (2,1), 3 MB calls (timed: 4 partitions
+    or more), the links go from 400 to 50 Mbit/s after 8 calls, epochs of
+    4 calls. The defaults' job measures again (at call 16, where the window
+    of calls 10-13 is all at 50 Mbit/s) and takes a smaller partition; the
+    job that measured once keeps its own."""
+    out = _bench_run(
+        ROOT / "benchmarks" / "retune.py",
+        *("--changes", "400,50", "--n", "2", "--k", "1", "--mb", "3"),
+        *("--before", "8", "--after", "20", "--retune-calls", "4"),
+        *("--steady", "4"),
+        timeout=270,
+    )
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| 400 -> 50 |") and cells[1] in (
+            "retune",
+            "once",
+            "tuned",
+        ):
+            rows[cells[1]] = cells
+    assert set(rows) == {"retune", "once", "tuned"}, out
+    before, after = map(int, rows["retune"][2].split(" -> "))
+    assert int(rows["retune"][3].split()[0]) >= 1, rows["retune"]
+    assert after < before, rows["retune"]
+    assert int(rows["once"][3].split()[0]) == 0, rows["once"]
+    once_before, once_after = map(int, rows["once"][2].split(" -> "))
+    assert once_before == once_after, rows["once"]
 
 
 def _cluster_module():
