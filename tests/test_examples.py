@@ -170,8 +170,11 @@ def test_benchmark_on_hosts_of_two_devices():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_mnist_async_mode_converges():
+    # 10 epochs: after 8, async staleness left one worker at 0.897 in a CI
+    # run on a busy machine (0.906-0.953 in five quiet runs); after 10,
+    # 0.939-0.967 in five
     proc = _launch(
-        "mnist.py", "--epochs", "8", "--async", launch_flags=("--async",)
+        "mnist.py", "--epochs", "10", "--async", launch_flags=("--async",)
     )
     accuracy = _per_worker(r"test accuracy: ([\d.]+)", proc.stdout)
     assert sorted(accuracy) == [0, 1], proc.stdout
