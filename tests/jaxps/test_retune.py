@@ -11,7 +11,8 @@ import pytest
 
 from jaxps._src import errors, retune, tuning
 from jaxps._src.config import Config
-from jaxps._src.runtime import Runtime
+
+from .test_tuning import runtimes
 
 
 def rates(*per_rank):
@@ -78,21 +79,8 @@ def test_a_moved_rate_measures_again_and_every_rank_switches_together(
         lambda self, rate: ended(self, rate * faster[self._rank]),
     )
     servers = start_servers(2, 2)
-    n, every = 2, 4
-
-    def start(rank):
-        return Runtime(
-            Config(
-                servers=tuple(s.address for s in servers),
-                num_workers=n,
-                worker_rank=rank,
-                retune_calls=every,
-                trace_dir=str(tmp_path),
-            )
-        )
-
-    with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        rts = list(pool.map(start, range(n)))
+    n = 2
+    rts = runtimes(servers, n, retune_calls=4, trace_dir=str(tmp_path))
     small, large = 64 << 10, 256 << 10  # elements: 256 KiB, 1 MiB
 
     def train(rank):  # each rank in a thread of its own, as in processes
@@ -132,19 +120,7 @@ def test_a_moved_rate_measures_again_and_every_rank_switches_together(
 def test_retune_calls_zero_measures_once(start_servers, monkeypatch):
     monkeypatch.setattr(tuning, "ON_ONE_HOST", True)
     servers = start_servers(1, 2)
-
-    def start(rank):
-        return Runtime(
-            Config(
-                servers=(servers[0].address,),
-                num_workers=2,
-                worker_rank=rank,
-                retune_calls=0,
-            )
-        )
-
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        rts = list(pool.map(start, range(2)))
+    rts = runtimes(servers, retune_calls=0)
     try:
         x = np.ones(1 << 16, np.float32)
         handles = [rt.push_pull_async(["g"], [x]) for rt in rts]
@@ -167,20 +143,7 @@ def test_a_rank_lost_while_measuring_again_is_named(start_servers, monkeypatch):
     monkeypatch.setattr(retune, "CHANGE", 0.0)
     monkeypatch.setattr(retune, "MIN_CHUNKS", 0)  # every call is timed
     servers = start_servers(1, 2, "--round-timeout", "2")
-
-    def start(rank):
-        return Runtime(
-            Config(
-                servers=(servers[0].address,),
-                num_workers=2,
-                worker_rank=rank,
-                retune_calls=2,
-                timeout=2.0,
-            )
-        )
-
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        rts = list(pool.map(start, range(2)))
+    rts = runtimes(servers, retune_calls=2, timeout=2.0)
     x = np.ones(1 << 16, np.float32)
 
     def train(rank, calls):
