@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import json
 import os
 import shutil
 import signal
@@ -47,24 +46,14 @@ import time
 
 import _netns
 from _netns import Proc, child_env
+from cluster import _exit_on_signal, log, report, results, tuned_partition
 
 from jaxps._src.launch.process import server_addresses, server_argv, wait_all
 
-RESULT = "RESULT "
 BASE_PORT = 9400
 TIMEOUT = 120  # JAXPS_TIMEOUT and --round-timeout
 SERVER_START_TIMEOUT = 90.0
-PARTITION_SECONDS = 0.002  # the hand-tuned partition: 2 ms of link time
 VARIANTS = ("retune", "once", "tuned")
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def tuned_partition(rate_mbit: float) -> int:
-    kib = round(rate_mbit * 1e6 / 8 * PARTITION_SECONDS / 1024)
-    return 1024 * max(16, kib)
 
 
 def child_worker(args) -> int:
@@ -121,22 +110,8 @@ def child_worker(args) -> int:
         }
     finally:
         jaxps.shutdown()
-    print(RESULT + json.dumps(result), flush=True)
+    report(result)
     return 0
-
-
-def results(procs) -> list[dict]:
-    out = []
-    for proc in procs:
-        lines = [
-            t[len(RESULT) :]
-            for t in proc.stdout().splitlines()
-            if t.startswith(RESULT)
-        ]
-        if not lines:
-            raise RuntimeError(f"{proc.name} printed no result")
-        out.append(json.loads(lines[-1]))
-    return out
 
 
 class Bench:
@@ -268,10 +243,6 @@ def parse_args(argv):
     if args.elements is None:
         args.elements = int(args.mb * 1e6 / 4)
     return args
-
-
-def _exit_on_signal(signum, frame):
-    raise SystemExit(128 + signum)
 
 
 def main(argv=None) -> int:
