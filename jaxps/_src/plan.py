@@ -15,6 +15,7 @@ once when ranks push different trees under one name (see `call_name`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import re
 import sys
@@ -65,7 +66,18 @@ class Piece:
 
     @property
     def fused(self) -> bool:
+        """Whether it is of several tensors (each of them whole)."""
         return len(self.members) > 1
+
+    @functools.cached_property
+    def spans(self) -> tuple[tuple[int, int, int], ...]:
+        """Per member, (tensor, start, stop) of its elements in the
+        payload."""
+        found, offset = [], 0
+        for m in self.members:
+            found.append((m.tensor, offset, offset + m.size))
+            offset += m.size
+        return tuple(found)
 
 
 class _Draft(NamedTuple):
@@ -97,10 +109,10 @@ class Gather:
 
     __slots__ = ("parts", "dtype", "size", "nbytes", "_joined")
 
-    def __init__(self, parts: Sequence[np.ndarray]):
+    def __init__(self, parts: Sequence[np.ndarray], size: int | None = None):
         self.parts = tuple(parts)
         self.dtype = self.parts[0].dtype
-        self.size = sum(p.size for p in self.parts)
+        self.size = sum(p.size for p in self.parts) if size is None else size
         self.nbytes = self.size * self.dtype.itemsize
         self._joined: np.ndarray | None = None
 
@@ -284,15 +296,13 @@ def buffers(
     outs: list = [None] * len(flats)
     laid_out = []
     for piece in pieces:
-        if piece.fused:
-            first = piece.members[0].tensor
-            dest = np.empty(piece.length, flats[first].dtype)
-            parts, offset = [], 0
-            for m in piece.members:
-                parts.append(flats[m.tensor][m.start : m.stop])
-                outs[m.tensor] = dest[offset : offset + m.size]  # a view
-                offset += m.size
-            laid_out.append(Buffers(Gather(parts), dest))
+        if piece.fused:  # of whole tensors
+            spans = piece.spans
+            dest = np.empty(piece.length, flats[spans[0][0]].dtype)
+            for t, lo, hi in spans:
+                outs[t] = dest[lo:hi]  # a view
+            gather = Gather([flats[t] for t, _, _ in spans], piece.length)
+            laid_out.append(Buffers(gather, dest))
         else:
             ((t, lo, hi),) = piece.members
             if outs[t] is None:

@@ -38,6 +38,7 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -83,7 +84,9 @@ _LOST = (errors.ServerUnavailableError, errors.ServerRestartedError)
 
 
 class Handle:
-    """The result of `Runtime.push_pull_async`; `wait()` returns the sums."""
+    """The result of `Runtime.push_pull_async`; `wait()` returns the sums
+    (the flat `outs`, each in its shape of `shapes`, or as they are where
+    `shapes` is None)."""
 
     def __init__(
         self,
@@ -187,6 +190,8 @@ class Handle:
             )
         if self._error is not None:
             raise self._error
+        if self._shapes is None:  # flat already
+            return list(self._outs)
         return [o.reshape(s) for o, s in zip(self._outs, self._shapes)]
 
 
@@ -198,8 +203,73 @@ _CHECK_PAYLOAD.flags.writeable = False
 #: workers' arrays; ``"async"`` servers (``jaxps-server --async``) hold
 #: parameters, add each push into them and answer with the latest.
 MODES = ("sync", "async")
-#: Most call checks kept (one per call signature; all dropped past it).
-MAX_CACHED_CHECKS = 4096
+#: Most call signatures kept (`_Call`s; all dropped past it).
+MAX_CACHED_CALLS = 4096
+
+
+class _Laid(NamedTuple):
+    """A call's plan at one partition.
+
+    Attributes:
+      pieces: the plan (`plan.make_plan`) of its non-empty arrays.
+      counted: the wire names whose rounds a call counts, each once (its
+        pieces', then its call check's).
+      carrier: the index of the piece that carries the call check (see
+        `Runtime._carrier`), or -1.
+    """
+
+    pieces: list[plan.Piece]
+    counted: tuple[str, ...]
+    carrier: int
+
+
+class _Call:
+    """What every push_pull of one signature shares, made at its first.
+
+    A signature is what `Runtime._push_pull_async` keys on: the names,
+    shapes, dtypes and priorities of the arrays, the call's name and
+    check, and `average`. Its arrays' dtypes are checked once, its call
+    check made once, its wire names found once (`Runtime._begin`) and its
+    plan made once per partition, so that a call repeated in every step
+    does per array only what its arrays need: a flat view of each, and a
+    view of the sums for each.
+
+    Attributes:
+      names: the names, as given.
+      shapes: per array, its shape (the sums come back in it); None
+        where every array is flat.
+      live: the indices of the non-empty arrays.
+      empty: the indices of the empty ones.
+      priorities: per live array, its priority.
+      check: the call check, or None (one worker, async servers).
+      nbytes: bytes of the live arrays.
+      wire_names: per live array, its wire name (None until its first
+        call's `Runtime._begin`).
+      laid: per (partition, re-tuned), its `_Laid`.
+    """
+
+    __slots__ = (
+        "names",
+        "shapes",
+        "live",
+        "empty",
+        "priorities",
+        "check",
+        "nbytes",
+        "wire_names",
+        "laid",
+    )
+
+    def __init__(self, names, shapes, live, empty, priorities, check, nbytes):
+        self.names = names
+        self.shapes = shapes
+        self.live = live
+        self.empty = empty
+        self.priorities = priorities
+        self.check = check
+        self.nbytes = nbytes
+        self.wire_names: tuple[str, ...] | None = None
+        self.laid: dict[tuple[int, bool], _Laid] = {}
 
 
 class _CheckOf:
@@ -255,10 +325,7 @@ class Runtime:
         self._joined = False
         self._join_epoch = 0  # joins completed
         self._seq = itertools.count()
-        self._plans: dict = {}
-        # per call signature: its call check; per (dtype, average): checked
-        self._checks: dict = {}
-        self._checked_dtypes: set = set()
+        self._calls: dict[tuple, _Call] = {}  # per call signature
         self._outputs = plan.Outputs()
         self._transports: list[Transport] = []
         self._sender: Sender | None = None
@@ -594,74 +661,62 @@ class Runtime:
             raise ValueError(
                 f"got {len(names)} names for {len(arrays)} arrays."
             )
-        if len(set(names)) != len(names):
-            raise ValueError(f"tensor names must be unique, got {names}.")
+        names = tuple(names)
         self.check_mode(names, mode)
-        flats = []
-        checked = self._checked_dtypes
-        for name, array in zip(names, arrays):
-            array = np.asarray(array)
-            if (array.dtype, average) not in checked:
-                _check_array(name, array, average)
-                checked.add((array.dtype, average))
-            flats.append(np.ascontiguousarray(array).reshape(-1))
-        shapes = [np.shape(a) for a in arrays]
+        arrays = [a if type(a) is np.ndarray else np.asarray(a) for a in arrays]
+        flats = [a.ravel() for a in arrays]  # views (copies if strided)
+        key = (
+            names,
+            tuple([a.shape for a in arrays]),
+            tuple([f.dtype for f in flats]),
+            None if priorities is None else tuple(priorities),
+            call,
+            check,
+            average,
+        )
+        entry = self._calls.get(key)
+        if entry is None:
+            entry = self._new_call(key, flats)
         timeout = 2 * pull_deadline(self.config.timeout)
-        live = [i for i, f in enumerate(flats) if f.size]
-        if not self._transports or not live:  # one worker, or nothing to send
-            outs = [f.copy() for f in flats]
+        if not self._transports or not entry.live:  # one worker, or nothing
             return Handle(
                 list(names),
-                outs,
-                shapes,
+                [f.copy() for f in flats],
+                entry.shapes,
                 0,
                 lambda: None,
                 timeout,
                 self.timeline,
             )
-        if priorities is None:
-            priorities = [-i for i in range(len(names))]
-        if self.size == 1 or self.async_servers:
-            check = None
-        elif check is None:
-            check = self._call_check(names, flats, shapes, call)
-        live_flats = [flats[i] for i in live]
+        check = entry.check
+        live_flats = [flats[i] for i in entry.live] if entry.empty else flats
         timed, retuned = None, False
         if partition is None:
-            partition, timed = self._partition(check, live_flats)
+            partition, timed = self._partition(check, entry.nbytes)
             retuner = self._retune
             retuned = retuner is not None and partition != retuner.base
-        wire_names = self._begin(names, [names[i] for i in live], live_flats)
-        if retuned:  # chunks of another length: keys of their own (`retune`)
-            wire_names = [f"{w}@{partition}B" for w in wire_names]
+        self._begin(entry, live_flats)
         try:
-            pieces = self._plan(
-                wire_names,
-                live_flats,
-                tuple(priorities[i] for i in live),
-                partition,
-                # a call of one piece goes where its check does: it carries it
-                None if check is None else check.salt,
+            laid = entry.laid.get((partition, retuned))
+            if laid is None:
+                laid = self._lay(entry, partition, retuned, live_flats)
+            laid_out, outs = plan.buffers(
+                laid.pieces, live_flats, self._outputs
             )
-            laid_out, live_outs = plan.buffers(
-                pieces, live_flats, self._outputs
-            )
-            counted = [p.wire_name for p in pieces]
-            rounds = self._next_rounds(
-                counted if check is None else [*counted, check.wire_name]
-            )
+            rounds = self._next_rounds(laid.counted)
         except BaseException:
             self._end(names)
             raise
-        outs = [f[:0].copy() for f in flats]  # the empty ones stay empty
-        for i, out in zip(live, live_outs):
-            outs[i] = out
+        if entry.empty:  # the empty ones come back as they are
+            live_outs, outs = outs, [f[:0].copy() for f in flats]
+            for i, out in zip(entry.live, live_outs):
+                outs[i] = out
         divisor = self.size if average else None
-        carrier = -1 if check is None else self._carrier(pieces, check)
+        pieces, carrier = laid.pieces, laid.carrier
         handle = Handle(
             list(names),
             outs,
-            shapes,
+            entry.shapes,
             len(pieces) + (check is not None and carrier < 0),
             lambda: self._end(names, handle, timed),
             timeout,
@@ -707,6 +762,65 @@ class Runtime:
             )
             self._sender.put((-piece.priority, seq, i), chunk)
         return handle
+
+    def _new_call(self, key: tuple, flats: list[np.ndarray]) -> _Call:
+        """The `_Call` of signature `key` (see `_push_pull_async`), made
+        and kept: its arrays checked, its call check made."""
+        names, shapes, dtypes, priorities, call, check, average = key
+        if len(set(names)) != len(names):
+            raise ValueError(f"tensor names must be unique, got {names}.")
+        for name, flat in zip(names, flats):
+            _check_array(name, flat, average)
+        live = tuple(i for i, f in enumerate(flats) if f.size)
+        if priorities is None:
+            priorities = [-i for i in range(len(names))]
+        elif len(priorities) != len(names):
+            raise ValueError(
+                f"got {len(priorities)} priorities for {len(names)} arrays."
+            )
+        if self.size == 1 or self.async_servers or not self._transports:
+            check = None
+        elif check is None:
+            check = plan.call_check(names, shapes, dtypes, call)
+        entry = _Call(
+            names,
+            None if all(len(s) == 1 for s in shapes) else shapes,
+            live,
+            tuple(i for i, f in enumerate(flats) if not f.size),
+            tuple(priorities[i] for i in live),
+            check,
+            sum(flats[i].nbytes for i in live),
+        )
+        if len(self._calls) >= MAX_CACHED_CALLS:
+            self._calls.clear()
+        self._calls[key] = entry
+        return entry
+
+    def _lay(self, entry: _Call, partition: int, retuned: bool, flats) -> _Laid:
+        """The `_Laid` of `entry` at `partition` (kept in it); `flats`: the
+        live arrays of one of its calls."""
+        wire_names = entry.wire_names
+        if retuned:  # chunks of another length: keys of their own (`retune`)
+            wire_names = [f"{w}@{partition}B" for w in wire_names]
+        check = entry.check
+        pieces = self._plan(
+            wire_names,
+            flats,
+            entry.priorities,
+            partition,
+            # a call of one piece goes where its check does: it carries it
+            None if check is None else check.salt,
+        )
+        counted = [p.wire_name for p in pieces]
+        if check is not None:
+            counted.append(check.wire_name)
+        laid = _Laid(
+            pieces,
+            tuple(dict.fromkeys(counted)),
+            -1 if check is None else self._carrier(pieces, check),
+        )
+        entry.laid[(partition, retuned)] = laid
+        return laid
 
     def _carrier(self, pieces: list[plan.Piece], check: plan.CallCheck) -> int:
         """The index of the piece that carries the call check: the first
@@ -799,42 +913,23 @@ class Runtime:
             [name], [array], average=average, mode=mode
         ).wait()[0]
 
-    def _call_check(self, names, flats, shapes, call) -> plan.CallCheck:
-        """`plan.call_check` of a call, computed once per signature."""
-        sig = (tuple(names), tuple(shapes), tuple(f.dtype for f in flats), call)
-        check = self._checks.get(sig)
-        if check is None:
-            if len(self._checks) >= MAX_CACHED_CHECKS:
-                self._checks.clear()
-            check = plan.call_check(names, shapes, sig[2], call)
-            self._checks[sig] = check
-        return check
-
     def _plan(self, names, flats, priorities, partition, salt=None):
-        sig = (
-            tuple((n, f.size, f.dtype.str) for n, f in zip(names, flats)),
-            priorities,
-            partition,
-            salt,
+        """`plan.make_plan` of arrays `flats` named `names`."""
+        return plan.make_plan(
+            list(names),
+            [f.size for f in flats],
+            [f.dtype.str for f in flats],
+            [f.itemsize for f in flats],
+            list(priorities),
+            partition_bytes=partition,
+            weights=self.weights,
+            hosts=self.hosts,
+            salt=salt,
         )
-        pieces = self._plans.get(sig)
-        if pieces is None:
-            pieces = plan.make_plan(
-                list(names),
-                [f.size for f in flats],
-                [f.dtype.str for f in flats],
-                [f.itemsize for f in flats],
-                list(priorities),
-                partition_bytes=partition,
-                weights=self.weights,
-                hosts=self.hosts,
-                salt=salt,
-            )
-            self._plans[sig] = pieces
-        return pieces
 
-    def _begin(self, names, live_names, live_flats) -> list[str]:
-        """Marks `names` in flight; returns the wire names of the live ones.
+    def _begin(self, entry: _Call, live_flats) -> None:
+        """Marks the names of `entry` in flight; at its first call, finds
+        the wire names of its live arrays `live_flats`.
 
         The plan derives a tensor's keys from its wire name. A name keeps
         its wire name while its (size, dtype) stays the same; each new
@@ -845,8 +940,10 @@ class Runtime:
         Every worker makes the same calls in the same order, so all agree
         on the generations; a later generation's wire name does not depend
         on the order, so a rank that pushed it alone while the others had
-        joined (`join`) still agrees with them.
+        joined (`join`) still agrees with them. A generation never changes
+        once found, so a `_Call` keeps its wire names.
         """
+        names = entry.names
         with self._lock:
             if self._joined:
                 raise errors.JaxpsError(
@@ -856,15 +953,18 @@ class Runtime:
                     "returned (call jaxps.join again after a join that "
                     "timed out)."
                 )
-            busy = self._in_flight.intersection(names)
-            if busy:
+            if not self._in_flight.isdisjoint(names):
+                busy = self._in_flight.intersection(names)
                 raise errors.JaxpsError(
                     f"push_pull of {sorted(busy)} is already in flight; wait "
                     "for it before pushing the same name again."
                 )
             self._in_flight.update(names)
+            if entry.wire_names is not None:
+                return
             wire_names = []
-            for name, flat in zip(live_names, live_flats):
+            for i, flat in zip(entry.live, live_flats):
+                name = names[i]
                 seen = self._signatures.setdefault(name, [])
                 signature = (flat.size, flat.dtype.str)
                 if signature not in seen:
@@ -873,7 +973,7 @@ class Runtime:
                 wire_names.append(
                     f"{name}#{flat.size}{flat.dtype.str}" if gen else name
                 )
-            return wire_names
+            entry.wire_names = tuple(wire_names)
 
     def _next_rounds(self, wire_names) -> dict[str, int]:
         """The round of each wire name (each counts once per push_pull)."""
@@ -893,15 +993,14 @@ class Runtime:
             nbytes, began = timed
             self._retune.ended(nbytes / (time.perf_counter() - began))
 
-    def _partition(self, check, flats) -> tuple[int, tuple | None]:
-        """The partition of a user's call, and what times it for `retune`
-        ((bytes, start) where it is timed, else None)."""
+    def _partition(self, check, nbytes: int) -> tuple[int, tuple | None]:
+        """The partition of a user's call of `nbytes`, and what times it
+        for `retune` ((bytes, start) where it is timed, else None)."""
         if self._retune is None or check is None:
             return self.partition_bytes, None
         with self._lock:
             number = self._rounds.get(check.wire_name, 0)
         partition = self._retune.partition(number)
-        nbytes = sum(f.nbytes for f in flats)
         if nbytes < retune.MIN_CHUNKS * partition:
             return partition, None
         return partition, (nbytes, time.perf_counter())
