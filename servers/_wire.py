@@ -170,30 +170,47 @@ def fingerprint(payload) -> int:
     return fingerprint_parts((payload,))
 
 
-def fingerprint_parts(parts) -> int:
-    """`fingerprint` of the payload that `parts` (buffers) make in turn,
-    without joining more of them than its ends."""
-    views = [memoryview(p).cast("B") for p in parts]
-    total = sum(len(v) for v in views)
+def fingerprint_parts(parts, total: int | None = None) -> int:
+    """`fingerprint` of the payload that `parts` (buffers or arrays) make in
+    turn, of `total` bytes (default: counted), touching only the parts its
+    ends are in (a fused piece may have hundreds)."""
+    parts = list(parts)
+    if total is None:
+        total = sum(_nbytes(p) for p in parts)
     if total <= 2 * FINGERPRINT_BYTES:
+        views = [_bytes(p) for p in parts]
         return checksum(views[0] if len(views) == 1 else b"".join(views))
     return (
-        checksum(_ends(views, FINGERPRINT_BYTES))
-        ^ checksum(_ends(reversed(views), FINGERPRINT_BYTES, tail=True))
+        checksum(_ends(parts, FINGERPRINT_BYTES))
+        ^ checksum(_ends(reversed(parts), FINGERPRINT_BYTES, tail=True))
         ^ total
     )
 
 
-def _ends(views, nbytes: int, tail: bool = False):
-    """The first `nbytes` of `views` in turn (with `tail`: the last, where
-    `views` come last first)."""
+def _nbytes(part) -> int:
+    return part.nbytes if isinstance(part, np.ndarray) else len(_bytes(part))
+
+
+def _bytes(part) -> memoryview:
+    """`part` as a flat byte view (arrays too, of dtypes without a buffer
+    format such as bfloat16)."""
+    if isinstance(part, np.ndarray):
+        part = part.reshape(-1).view(np.uint8)
+    return memoryview(part).cast("B")
+
+
+def _ends(parts, nbytes: int, tail: bool = False):
+    """The first `nbytes` of `parts` in turn (with `tail`: the last, where
+    `parts` come last first)."""
     taken, left = [], nbytes
-    for view in views:
+    for part in parts:
         if not left:
             break
+        view = _bytes(part)
         piece = view[-left:] if tail else view[:left]
-        taken.append(piece)
-        left -= len(piece)
+        if piece:
+            taken.append(piece)
+            left -= len(piece)
     if len(taken) == 1:  # within one buffer: no copy
         return taken[0]
     return b"".join(reversed(taken) if tail else taken)

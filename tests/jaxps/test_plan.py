@@ -123,7 +123,13 @@ def test_a_gathers_fingerprint_is_its_joined_payloads():
 
     rng = np.random.default_rng(0)
     # small (all of it), ends within one part, ends across many parts
-    for sizes in ([3, 5], [5000, 7, 3000], [100] * 80, [1, 2047, 1, 4000]):
+    for sizes in (
+        [3, 5],
+        [5000, 7, 3000],
+        [100] * 80,
+        [1, 2047, 1, 4000],
+        [2000, 0, 1, 3000, 0],
+    ):
         parts = [rng.standard_normal(n).astype(np.float32) for n in sizes]
         gather = Gather(parts)
         assert fingerprint(gather) == fingerprint(np.concatenate(parts)), sizes

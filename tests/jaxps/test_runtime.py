@@ -219,9 +219,58 @@ def test_local_bad_inputs():
     assert (empty.shape, empty.dtype) == ((0, 3), np.float32)
     with pytest.raises(ValueError, match="names must be unique"):
         rt.push_pull_async(["a", "a"], [np.ones(1), np.ones(1)])
+    with pytest.raises(ValueError, match="got 1 priorities for 2 arrays"):
+        rt.push_pull_async(["a", "b"], [np.ones(1), np.ones(1)], priorities=[1])
     np.testing.assert_array_equal(
         rt.push_pull("x", np.arange(3.0)), np.arange(3.0)
     )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kept", [4096, 2])
+def test_a_call_is_prepared_once_per_signature(
+    start_servers, kept, monkeypatch
+):
+    # A call keeps what it computes once (checks, wire names, plan) per
+    # signature; a name that comes back with another shape, dtype or empty
+    # gets its own, and one seen before its old keys and rounds: the sums
+    # stay exact, also where the kept signatures are dropped past a bound.
+    monkeypatch.setattr(runtime_module, "MAX_CACHED_CALLS", kept)
+    servers = start_servers(1, 2)
+    steps = [
+        ((3, 4), np.float32),
+        ((3, 4), np.float32),
+        ((5,), np.float32),
+        ((3, 4), np.float64),
+        ((0, 4), np.float32),
+        ((3, 4), np.float32),
+        ((5,), np.float32),
+    ]
+
+    def fn(rt):
+        got = []
+        for step, (shape, dtype) in enumerate(steps):
+            w = contribution(rt.rank, np.prod(shape), dtype, seed=step)
+            b = contribution(rt.rank, 7, np.int32, seed=100 + step)
+            outs = rt.push_pull_async(
+                ["w", "b"], [w.reshape(shape), b], average=False
+            ).wait()
+            got.append(outs)
+        return got, len(rt._calls)
+
+    for got, calls in run_workers(2, servers, fn, partition_bytes=SMALL):
+        assert calls == min(kept, 4), calls  # four signatures
+        for step, ((shape, dtype), (w, b)) in enumerate(zip(steps, got)):
+            expected = sum(
+                contribution(r, np.prod(shape), np.float64, seed=step)
+                for r in range(2)
+            )
+            assert (w.shape, w.dtype) == (shape, np.dtype(dtype)), step
+            np.testing.assert_array_equal(w, expected.reshape(shape))
+            expected = sum(
+                contribution(r, 7, np.int64, seed=100 + step) for r in range(2)
+            )
+            np.testing.assert_array_equal(b, expected)
 
 
 @pytest.mark.timeout(120)
@@ -252,13 +301,19 @@ def test_fused_small_tensors_of_mixed_dtypes(start_servers):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("joined", [True, False], ids=["joined", "parts"])
 @pytest.mark.parametrize("transport", ["grpc", "tcp", "auto"])
 def test_fused_pieces_of_more_tensors_than_one_send_takes(
-    start_servers, transport
+    start_servers, transport, joined, monkeypatch
 ):
-    # A fused piece's payload is a Gather of its members (not joined): the
-    # data channel sends more of them than one sendmsg takes in several
-    # calls, shared memory copies them into the slot, gRPC joins them.
+    # A fused piece's payload is a Gather of its members: the data channel
+    # sends small parts joined, and else more of them than one sendmsg
+    # takes in several calls; shared memory copies them into the slot, gRPC
+    # joins them.
+    from jaxps._src.transport import base
+
+    if not joined:  # every part as it is, whatever its size
+        monkeypatch.setattr(base, "JOIN_BELOW", 0)
     servers = start_servers(1, 2)
     count = _wire.SEND_VECTORS + 300
     sizes = [1 + i % 3 for i in range(count)]
