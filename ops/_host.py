@@ -79,6 +79,8 @@ class FusedLayout:
     dtypes: tuple[np.dtype, ...]
     # shard -> (operand names, call check), filled on first use
     _at: dict = dataclasses.field(default_factory=dict, repr=False)
+    # leaves' priorities -> the operands'
+    _priorities: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def operand_shapes(self) -> list[tuple[tuple[int, ...], np.dtype]]:
@@ -119,11 +121,17 @@ class FusedLayout:
                 offset += size
         return leaves
 
-    def priorities(self, priorities) -> tuple[int, ...]:
+    def priorities(self, priorities: tuple[int, ...]) -> tuple[int, ...]:
         """Per operand, the highest priority of its leaves."""
-        return tuple(max(priorities[i] for i in g) for g in self.groups)
+        found = self._priorities.get(priorities)
+        if found is None:
+            found = tuple(max(priorities[i] for i in g) for g in self.groups)
+            self._priorities[priorities] = found
+        return found
 
-    def at(self, shard: int, call: str | None) -> tuple[list[str], object]:
+    def at(
+        self, shard: int, call: str | None
+    ) -> tuple[tuple[str, ...], object]:
         """The operands' tensor names on device `shard`, and the call check
         of the leaves (computed once per shard).
 
@@ -135,12 +143,12 @@ class FusedLayout:
         found = self._at.get((shard, call))
         if found is None:
             leaf_names = shard_names(self.names, shard)
-            names = [
+            names = tuple(
                 leaf_names[g[0]]
                 if len(g) == 1
                 else f"{leaf_names[g[0]]}+{len(g) - 1}"
                 for g in self.groups
-            ]
+            )
             fused = [g for g in self.groups if len(g) > 1]
             check = plan.call_check(
                 leaf_names,
@@ -192,9 +200,19 @@ def fuse(arrays, platforms, names):
     return layout.fuse(arrays), layout
 
 
-def shard_names(names: tuple[str, ...], shard: int) -> list[str]:
+#: (names, shard) -> `shard_names`, made once per push_pull and device
+_shard_names: dict[tuple[tuple[str, ...], int], tuple[str, ...]] = {}
+
+
+def shard_names(names: tuple[str, ...], shard: int) -> tuple[str, ...]:
     """Per-device tensor names: each device pushes its own shard."""
-    return [f"{n}@{shard}" for n in names]
+    found = _shard_names.get((names, shard))
+    if found is None:
+        if len(_shard_names) >= 4096:  # traces come and go
+            _shard_names.clear()
+        found = tuple(f"{n}@{shard}" for n in names)
+        _shard_names[(names, shard)] = found
+    return found
 
 
 def start(
@@ -220,7 +238,10 @@ def start(
     """
     began = timeline.now()
     runtime = state.runtime()
-    copies = [_kept(a, from_callback) for a in arrays]
+    copies = [
+        a if from_callback and a.flags.owndata else _kept(a, from_callback)
+        for a in arrays
+    ]
     shard = int(shard)
     check = None
     if layout is None:
