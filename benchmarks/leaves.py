@@ -15,6 +15,11 @@ the mean of the two ranks: steadier than the times on a busy host::
 
     python benchmarks/leaves.py [--leaves 1,50,200] [--sizes-kib 256,16384]
 
+With ``--host`` each worker times the worker runtime alone, on NumPy
+arrays without JAX (``push_pull_async`` and the wait for its sums): the
+part of a call that is jaxps's own, where JAX's dispatch of L arrays
+does not hide it ("jit alone" is then the time of ``x * 1.5`` in NumPy).
+
 benchmarks/trees.py does the same for the trees of ResNet-50 and
 BERT-base, against JAX's gloo all-reduce.
 """
@@ -38,6 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--leaves", default="1,50,200")
     p.add_argument("--sizes-kib", default="256,16384", help="KiB per call")
     p.add_argument("--repeats", type=int, default=40, help="timed calls")
+    p.add_argument(
+        "--host", action="store_true", help="the runtime alone, without JAX"
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -58,8 +66,11 @@ def child(args) -> None:
                 for i in range(leaves)
             }
             name = f"t{kib}x{leaves}"
-            f = jax.jit(lambda t, name=name: jaxps.push_pull(t, name=name))
-            alone = jax.jit(lambda t: jax.tree.map(lambda v: v * 1.5, t))
+            if args.host:
+                f, alone = _host_calls(name, tree)
+            else:
+                f = jax.jit(lambda t, name=name: jaxps.push_pull(t, name=name))
+                alone = jax.jit(lambda t: jax.tree.map(lambda v: v * 1.5, t))
             for _ in range(3):
                 jax.block_until_ready(f(tree))
                 jax.block_until_ready(alone(tree))
@@ -82,6 +93,29 @@ def child(args) -> None:
     jaxps.shutdown()
 
 
+def _host_calls(name: str, tree: dict):
+    """(push_pull, x * 1.5) of `tree` in the worker runtime and in NumPy,
+    on NumPy copies of its arrays."""
+    import numpy as np
+
+    from jaxps._src import state
+
+    runtime = state.runtime()
+    names = tuple(f"{name}['{k}']" for k in tree)
+    arrays = [np.asarray(v) for v in tree.values()]
+
+    def push_pull(_):
+        sums = runtime.push_pull_async(
+            names, arrays, call=name, donate=True
+        ).wait()
+        return dict(zip(tree, sums))
+
+    def alone(_):
+        return {k: v * 1.5 for k, v in zip(tree, arrays)}
+
+    return push_pull, alone
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
@@ -89,7 +123,7 @@ def main(argv=None) -> int:
         return 0
     argv = [sys.executable, os.path.abspath(__file__), "--child"]
     argv += ["--leaves", args.leaves, "--sizes-kib", args.sizes_kib]
-    argv += ["--repeats", str(args.repeats)]
+    argv += ["--repeats", str(args.repeats)] + ["--host"] * args.host
     with tempfile.TemporaryDirectory(prefix="jaxps-leaves-") as tmp:
         results = _common.jaxps_job(argv, tmp, servers=2, env={"XLA_FLAGS": ""})
     # a call's time is the slower rank's

@@ -1,6 +1,7 @@
 """The device-path benchmarks run end to end in their quick forms (CI).
 
-``benchmarks/op.py`` times a jitted push_pull for 1 MiB, twice.
+``benchmarks/op.py`` times a jitted push_pull for 1 MiB, twice;
+``benchmarks/leaves.py`` 1 and 20 leaves, jitted and in the runtime alone.
 
 ``benchmarks/gpu.py --quick`` runs on the CPU here (on a GPU host it runs
 there); ``benchmarks/multidevice.py`` on 2 forced devices and one width.
@@ -81,3 +82,15 @@ def test_multidevice_bench_runs_every_path():
 def test_op_bench_runs():
     out = _run("op.py", "--sizes-mb", "1", "--repeats", "2", timeout=180)
     assert re.search(r"\|\s*1\s*\|\s*[\d.]+\s*\|\s*[\d.]+\s*\|", out), out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("host", [False, True], ids=["jit", "host"])
+def test_leaves_bench_runs(host):
+    # through a jitted push_pull, and with --host the runtime alone
+    flags = ["--leaves", "1,20", "--sizes-kib", "64", "--repeats", "3"]
+    out = _run("leaves.py", *flags, *(["--host"] if host else []), timeout=180)
+    for leaves in ("1", "20"):
+        row = rf"\|\s*64\s*\|\s*{leaves}\s*\|\s*[\d.]+\s*\|\s*[\d.]+\s*\|"
+        assert re.search(row, out), out
