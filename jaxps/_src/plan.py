@@ -283,11 +283,11 @@ def buffers(
 ) -> tuple[list[Buffers], list[np.ndarray]]:
     """Lays out the flat arrays of a push_pull along its plan.
 
-    A fused piece's payload gathers (copies) its members out of `flats`;
-    its dest is a new array, and the output of each member is a view of
-    it. A piece of one tensor pushes a view of the tensor's flat array and
-    its dest is a view of the tensor's output, a new array of its size
-    (or a large one of `outputs` that no one holds any more).
+    A fused piece's payload is a `Gather` of its members' flat arrays (no
+    copy); its dest is a new array, and the output of each member is a
+    view of it. A piece of one tensor pushes a view of the tensor's flat
+    array and its dest is a view of the tensor's output, a new array of
+    its size (or a large one of `outputs` that no one holds any more).
 
     Returns:
       The buffers of each piece, in plan order, and the flat output of
