@@ -29,6 +29,7 @@ is what averaging divides by.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import itertools
 import logging
@@ -223,6 +224,7 @@ class _Laid(NamedTuple):
     carrier: int
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _Call:
     """What every push_pull of one signature shares, made at its first.
 
@@ -248,28 +250,17 @@ class _Call:
       laid: per (partition, re-tuned), its `_Laid`.
     """
 
-    __slots__ = (
-        "names",
-        "shapes",
-        "live",
-        "empty",
-        "priorities",
-        "check",
-        "nbytes",
-        "wire_names",
-        "laid",
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...] | None
+    live: tuple[int, ...]
+    empty: tuple[int, ...]
+    priorities: tuple[int, ...]
+    check: plan.CallCheck | None
+    nbytes: int
+    wire_names: tuple[str, ...] | None = None
+    laid: dict[tuple[int, bool], _Laid] = dataclasses.field(
+        default_factory=dict
     )
-
-    def __init__(self, names, shapes, live, empty, priorities, check, nbytes):
-        self.names = names
-        self.shapes = shapes
-        self.live = live
-        self.empty = empty
-        self.priorities = priorities
-        self.check = check
-        self.nbytes = nbytes
-        self.wire_names: tuple[str, ...] | None = None
-        self.laid: dict[tuple[int, bool], _Laid] = {}
 
 
 class _CheckOf:
