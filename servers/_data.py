@@ -27,7 +27,9 @@ once, windows, deadlines and error messages are those of the gRPC path.
 from __future__ import annotations
 
 import asyncio
+import collections
 import errno
+import functools
 import hmac
 import logging
 import queue
@@ -36,6 +38,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Coroutine
 from typing import NamedTuple
 
 from . import _wire
@@ -179,11 +182,39 @@ class DataChannel:
         self._unauthenticated: dict[str, int] = {}
         self.refused = 0  # connections closed at once (over the caps)
         self._connections: set[_Connection] = set()
+        self._inbox: collections.deque[Coroutine] = collections.deque()
+        self._inbox_lock = threading.Lock()
+        self._draining = False  # a `_drain` is scheduled on the loop
+        self._tasks: set[asyncio.Task] = set()
         self._closed = False
         self._thread = threading.Thread(
             target=self._accept_loop, name="jaxps-data-accept", daemon=True
         )
         self._thread.start()
+
+    def submit(self, request: Coroutine) -> None:
+        """Runs `request` on the event loop (from a reader thread).
+
+        Requests wait in one inbox, and the loop is woken once for all
+        those that came in before it drains them, instead of once each
+        with a future to chain (`asyncio.run_coroutine_threadsafe`).
+        """
+        with self._inbox_lock:
+            self._inbox.append(request)
+            if self._draining:
+                return
+            self._draining = True
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._inbox_lock:
+            requests = list(self._inbox)
+            self._inbox.clear()
+            self._draining = False
+        for request in requests:
+            task = self.loop.create_task(request)
+            self._tasks.add(task)  # a task must be held while it runs
+            task.add_done_callback(self._tasks.discard)
 
     def offer(self, rank: int, job_id: str, session: str) -> bytes:
         """A one-time nonce for a data connection of `rank` in `session`
@@ -306,12 +337,9 @@ def server_tls_context(
     return context
 
 
-def _send(sock: socket.socket, head: bytes, body) -> None:
-    """Sends a frame: `head`, then `body` unless it is None."""
-    if body is None:
-        _wire.send_frame(sock, head)
-    else:
-        _wire.send_frame(sock, head, body)
+def _send(sock: socket.socket, frame) -> None:
+    """Sends a frame: its head, then its body unless it is None."""
+    _wire.send_frame(sock, *(part for part in frame if part is not None))
 
 
 class _Slot(NamedTuple):
@@ -332,6 +360,11 @@ class _Connection:
         self.job_id = ""
         self.session = ""
         self._out: queue.SimpleQueue = queue.SimpleQueue()
+        # frames queued for the writer and not all sent yet; a reply goes
+        # out from its own thread only while this is 0 (the writer is idle)
+        self._queued = 0
+        self._queue_lock = threading.Lock()
+        self._inline = False  # plain TCP: replies may skip the writer
         # requests handed to the loop and not answered yet; the writer
         # stops once the reader is done and this is 0
         self._busy = 0
@@ -447,11 +480,12 @@ class _Connection:
         self._send_now(
             (_wire.DATA_REPLY.pack(_wire.DATA_OK, 0, 0, 0, len(body)), body)
         )
+        self._inline = not isinstance(self.sock, ssl.SSLSocket)
         return True
 
     def _send_now(self, frame) -> None:
         try:
-            _send(self.sock, *frame)
+            _send(self.sock, frame)
         except OSError:
             pass
 
@@ -480,7 +514,7 @@ class _Connection:
                 if not known
                 else f"rank {rank} on the connection of rank {self.rank}"
             )
-            self._out.put(
+            self._reply(
                 _error_frame(rid, "INVALID_ARGUMENT", f"data frame: {what}")
             )
             return False  # the stream cannot be trusted past this frame
@@ -490,7 +524,7 @@ class _Connection:
             itemsize = 1  # the store names the bad dtype; keep the stream
         nbytes = length * itemsize
         if nbytes > self.channel.max_payload_bytes:
-            self._out.put(
+            self._reply(
                 _error_frame(
                     rid,
                     "RESOURCE_EXHAUSTED",
@@ -522,16 +556,13 @@ class _Connection:
             except _wire.Rejected as err:
                 if slot is None:
                     self.channel.pool.give(buf)
-                self._out.put(_error_frame(rid, err.code, err.message))
+                self._reply(_error_frame(rid, err.code, err.message))
                 return False
         else:
             h.name = name.decode(errors="replace")
         with self._busy_lock:
             self._busy += 1
-        asyncio.run_coroutine_threadsafe(
-            self._serve(h, rid, buf, checksum, timeout, slot),
-            self.channel.loop,
-        )
+        self.channel.submit(self._serve(h, rid, buf, checksum, timeout, slot))
         return True
 
     async def _serve(
@@ -555,25 +586,25 @@ class _Connection:
         try:
             payload = None if slot is not None else memoryview(buf)
             target = await core.push(h, payload, checksum, slot)
-            self._out.put(
-                (_wire.DATA_REPLY.pack(_wire.DATA_ACK, 0, 0, rid, 0), None)
-            )
             deadline = time.monotonic() + min(max(0.0, timeout), 3600.0)
+            # A sum ready at once acknowledges the push itself: the
+            # worker's credit comes back with it (one frame, not two).
             total, contributors = await core.pull_counted(
                 h,
                 deadline=deadline,
                 raw=True,
                 into=None if slot is None else target,
+                on_wait=functools.partial(self._reply, (_ack(rid), None)),
             )
         except _wire.Rejected as err:
-            self._out.put(_error_frame(rid, err.code, err.message))
+            self._reply(_error_frame(rid, err.code, err.message))
             return
         except Exception as err:  # noqa: BLE001 - reported to the worker
             log.exception("data request failed")
-            self._out.put(_error_frame(rid, "INTERNAL", repr(err)))
+            self._reply(_error_frame(rid, "INTERNAL", repr(err)))
             return
         if slot is not None:  # the sum is in the slot
-            self._out.put(
+            self._reply(
                 (
                     _wire.DATA_REPLY.pack(
                         _wire.DATA_SUM, 0, contributors, rid, 0
@@ -584,7 +615,7 @@ class _Connection:
             return
         # The round is summed: the store holds no view of `buf` any more.
         self.channel.pool.give(buf)
-        self._out.put(
+        self._reply(
             (
                 _wire.DATA_REPLY.pack(
                     _wire.DATA_SUM, 0, contributors, rid, total.nbytes
@@ -595,13 +626,39 @@ class _Connection:
 
     # -- writing -------------------------------------------------------------
 
+    def _reply(self, frame) -> None:
+        """Sends `frame` (head, body or None) after those before it.
+
+        On plain TCP, when the writer has nothing queued, the calling
+        thread (the event loop) sends the frame with one non-blocking
+        ``sendmsg``: as much as the socket's buffer takes (at most
+        `_wire.DATA_SNDBUF` or so), and the writer sends the rest. That
+        saves the writer thread's wake-up on every chunk whose answer fits
+        the buffer. Frames are queued for the writer while it has some,
+        and always on TLS.
+        """
+        with self._queue_lock:  # no frame is queued while one goes inline
+            if self._inline and self._queued == 0:
+                try:
+                    frame = _wire.send_now(self.sock, *frame)
+                except OSError:
+                    self.close()  # the reader sees it and ends
+                    return
+                if not frame:
+                    return
+            # the writer sends it (the rest of it, if the socket was full)
+            self._queued += 1
+            self._out.put(frame)
+
     def _write_loop(self) -> None:
         try:
             while True:
                 frame = self._out.get()
                 if frame is None:
                     return
-                _send(self.sock, *frame)
+                _send(self.sock, frame)
+                with self._queue_lock:
+                    self._queued -= 1
         except OSError:
             self.close()  # the reader sees it and ends
         except Exception:  # noqa: BLE001 - never leave a worker waiting
@@ -610,6 +667,10 @@ class _Connection:
         finally:
             if not self._reader.is_alive():
                 self.sock.close()
+
+
+def _ack(rid: int) -> bytes:
+    return _wire.DATA_REPLY.pack(_wire.DATA_ACK, 0, 0, rid, 0)
 
 
 def _error_frame(rid: int, code: str, message: str):

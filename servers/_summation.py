@@ -16,10 +16,12 @@ may lack them).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import secrets
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -40,16 +42,33 @@ def _chunk(h) -> dict:
     )
 
 
-async def _set_by(event: asyncio.Event, deadline: float) -> bool:
-    """Waits for `event` until `deadline` (a `time.monotonic()` value);
-    returns whether it was set."""
+def _settle(future: asyncio.Future, woken: bool) -> None:
+    if not future.done():
+        future.set_result(woken)
+
+
+def _waker() -> tuple[asyncio.Future, Callable[[], None]]:
+    """A future of the running loop and the callable that wakes it (once;
+    later calls do nothing), for the waiter lists of rounds, sessions,
+    contests and joins. Cheaper than an `asyncio.Event` and `wait_for`,
+    which cost a task and a timer on every chunk's pull."""
+    future = asyncio.get_running_loop().create_future()
+    return future, functools.partial(_settle, future, True)
+
+
+async def _set_by(future: asyncio.Future, deadline: float) -> bool:
+    """Waits until the `_waker` `future` is woken or `deadline` (a
+    `time.monotonic()` value) passes; returns whether it was woken."""
+    if future.done():
+        return future.result()
+    loop = asyncio.get_running_loop()
+    timer = loop.call_later(
+        max(0.0, deadline - time.monotonic()), _settle, future, False
+    )
     try:
-        await asyncio.wait_for(
-            event.wait(), max(0.0, deadline - time.monotonic())
-        )
-    except asyncio.TimeoutError:
-        return False
-    return True
+        return await future
+    finally:
+        timer.cancel()
 
 
 class Summation:
@@ -382,10 +401,19 @@ class Summation:
         return result
 
     async def pull_counted(
-        self, h, *, deadline: float, raw: bool = False, into=None, slot=None
+        self,
+        h,
+        *,
+        deadline: float,
+        raw: bool = False,
+        into=None,
+        slot=None,
+        on_wait: Callable[[], None] | None = None,
     ) -> tuple[bytes | np.ndarray, int]:
         """`pull`, and how many ranks the sum is over (fewer than
-        num_workers while some have joined; 0 from async servers)."""
+        num_workers while some have joined; 0 from async servers).
+        `on_wait` is called once if the sum is not ready at once, before
+        the pull waits for it."""
         s = self.check_header(h)
         if slot is not None:
             into = self.slot(s, h, slot)
@@ -395,6 +423,8 @@ class Summation:
             timeout = s.members[h.rank].timeout
             if timeout > 0:
                 deadline = min(deadline, time.monotonic() + timeout)
+        if on_wait is not None and (result is None or s.contest is not None):
+            on_wait()
         while result is None:  # again while its call check is not agreed
             await self._wait(s, rnd, deadline)
             result = store.collect(
@@ -435,9 +465,9 @@ class Summation:
             log.info("%s: every rank joined (epoch %d)", s.label(), h.round)
         elif h.round == joins.epoch:
             s.store.join(frozenset(joins.joined))
-            event = asyncio.Event()
-            joins.wait(event.set)
-            if not await _set_by(event, deadline):
+            woken, wake = _waker()
+            joins.wait(wake)
+            if not await _set_by(woken, deadline):
                 raise _wire.Rejected(
                     "DEADLINE_EXCEEDED",
                     f"join of rank {h.rank} timed out waiting for rank(s) "
@@ -449,11 +479,11 @@ class Summation:
     @staticmethod
     async def _wait(s: _jobs.Session, rnd, deadline: float) -> None:
         """Waits for `rnd` to complete, fail, or its session to end."""
-        event = asyncio.Event()
-        rnd.waiters.append(event.set)
-        cancel = s.on_end(event.set)
+        woken, wake = _waker()
+        rnd.waiters.append(wake)
+        cancel = s.on_end(wake)
         try:  # (if it times out, `collect` tells whether the round failed)
-            await _set_by(event, min(rnd.deadline, deadline))
+            await _set_by(woken, min(rnd.deadline, deadline))
         finally:
             cancel()
         if s.ended is not None:
@@ -464,9 +494,9 @@ class Summation:
         """Holds back a sum of `s` while another process claims one of its
         ranks (see `_jobs`); raises if the claim ended the session."""
         contest = s.contest
-        event = asyncio.Event()
-        contest.on_settled(event.set)
-        if not await _set_by(event, deadline):
+        woken, wake = _waker()
+        contest.on_settled(wake)
+        if not await _set_by(woken, deadline):
             raise _wire.Rejected(
                 "DEADLINE_EXCEEDED",
                 f"the sum of {h.name!r} round {h.round} is held back: rank "

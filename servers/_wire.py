@@ -227,10 +227,12 @@ def _ends(parts, nbytes: int, tail: bool = False):
 # is a DATA_REQUEST, the chunk's name (utf-8) and its payload; the server
 # answers DATA_ACK once the push is accepted and DATA_SUM with the sum (and
 # the number of ranks it is over) once the round is complete, or DATA_ERROR
-# with a message at any point. A call check (Header.signature) is a
-# DATA_OP_CHECK request whose name is `encode_check_name` of its signature,
-# call name and description; a piece that carries one (Header.check_key) is
-# a DATA_OP_PUSH_PULL_CHECKED request whose name is `encode_carrier_name`.
+# with a message at any point. A DATA_SUM or DATA_ERROR also acknowledges
+# the push: a push whose round it completed gets the DATA_SUM alone. A call
+# check (Header.signature) is a DATA_OP_CHECK request whose name is
+# `encode_check_name` of its signature, call name and description; a piece
+# that carries one (Header.check_key) is a DATA_OP_PUSH_PULL_CHECKED request
+# whose name is `encode_carrier_name`.
 # A worker on the server's host may leave a push's payload in a slot of its
 # shared memory (attached over gRPC): the op then has DATA_OP_IN_SLOT set,
 # a DATA_SLOT (segment id, byte offset) follows the name instead of the
@@ -397,6 +399,34 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
 SEND_VECTORS = 1024
 
 
+def _views(parts) -> list[memoryview]:
+    views = []
+    for part in parts:
+        if isinstance(part, np.ndarray):  # also dtypes without a format
+            part = part.reshape(-1).view(np.uint8)
+        views.append(memoryview(part).cast("B"))
+    return views
+
+
+def send_now(sock: socket.socket, *parts) -> tuple[memoryview, ...]:
+    """Sends what of `parts` (as `send_frame`'s; None is skipped) a plain
+    socket takes without blocking, with one ``sendmsg``; returns the
+    parts left to send (empty once all went)."""
+    views = _views(p for p in parts if p is not None)
+    try:
+        sent = sock.sendmsg(views, [], socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return tuple(views)
+    left = []
+    for view in views:
+        if sent >= len(view):
+            sent -= len(view)
+        else:
+            left.append(view[sent:])
+            sent = 0
+    return tuple(left)
+
+
 def send_frame(sock: socket.socket, *parts) -> None:
     """Sends `parts` (bytes, memoryviews or arrays) in order, with as few
     system calls as possible: one ``sendmsg`` on a plain socket (per
@@ -404,11 +434,7 @@ def send_frame(sock: socket.socket, *parts) -> None:
     record and the payload straight after (its parts joined where there
     are several: encrypting copies them anyway, and each ``sendall`` of a
     small part would be a record of its own)."""
-    views = []
-    for part in parts:
-        if isinstance(part, np.ndarray):  # also dtypes without a format
-            part = part.reshape(-1).view(np.uint8)
-        views.append(memoryview(part).cast("B"))
+    views = _views(parts)
     if isinstance(sock, ssl.SSLSocket):
         head, *body = views
         sock.sendall(head)

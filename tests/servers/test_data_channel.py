@@ -2,6 +2,8 @@
 
 import socket
 import struct
+import threading
+import time
 
 import grpc
 import numpy as np
@@ -105,9 +107,95 @@ def test_server_offers_a_data_channel(start_servers):
         assert body.decode() == reply.incarnation
         x = np.arange(4, dtype=np.float32)
         sock.sendall(request(checksum=_wire.fingerprint(x)) + x.tobytes())
-        kinds = [read_frame(sock) for _ in range(2)]
-    assert [k[0] for k in kinds] == [_wire.DATA_ACK, _wire.DATA_SUM]
-    np.testing.assert_array_equal(np.frombuffer(kinds[1][3], np.float32), x)
+        # the only rank's push completes the round: the sum acknowledges it
+        kind, status, rid, body = read_frame(sock)
+    assert (kind, status, rid) == (_wire.DATA_SUM, "OK", 1)
+    np.testing.assert_array_equal(np.frombuffer(body, np.float32), x)
+
+
+def test_a_push_is_acknowledged_unless_its_sum_is_ready(start_servers):
+    (server,) = start_servers(1, 2)
+    socks = []
+    for rank in range(2):
+        socks.append(connect(server.address, hello(server.address, rank), rank))
+        assert read_frame(socks[-1])[0] == _wire.DATA_OK
+    x = np.arange(4, dtype=np.float32)
+    frame = [
+        request(rank=r, rid=10 + r, checksum=_wire.fingerprint(x)) + x.tobytes()
+        for r in range(2)
+    ]
+    with socks[0], socks[1]:
+        socks[0].sendall(frame[0])  # rank 1 has not pushed: an ack first
+        assert read_frame(socks[0])[:3] == (_wire.DATA_ACK, "OK", 10)
+        socks[1].sendall(frame[1])  # completes the round: the sum alone
+        answers = [read_frame(socks[1]), read_frame(socks[0])]
+    assert [a[:3] for a in answers] == [
+        (_wire.DATA_SUM, "OK", 11),
+        (_wire.DATA_SUM, "OK", 10),
+    ]
+    for answer in answers:
+        np.testing.assert_array_equal(
+            np.frombuffer(answer[3], np.float32), 2 * x
+        )
+
+
+def test_answers_stay_whole_and_in_order_while_the_worker_reads_slowly(
+    start_servers,
+):
+    """Sums far larger than the socket's buffer, and errors between them,
+    while the worker reads slowly: the event loop sends an answer itself
+    only while the writer has none queued, and the rest of one it began
+    before any other."""
+    (server,) = start_servers(1, 1)
+    reply = hello(server.address, num_workers=1)
+    n = 1 << 19  # 2 MiB of float32 per sum
+    pushes = [np.full(n, i + 1.0, np.float32) for i in range(12)]
+    wrong = {2, 5, 9}  # pushes whose checksum is wrong
+    answers = []
+
+    def read_slowly(sock):
+        def recv(size):
+            out = bytearray()
+            while len(out) < size:
+                part = sock.recv(min(size - len(out), 256 * 1024))
+                if not part:
+                    raise ConnectionError("closed")
+                out += part
+                time.sleep(0.002)
+            return bytes(out)
+
+        for _ in pushes:
+            kind, status, _, rid, size = _wire.DATA_REPLY.unpack(
+                recv(_wire.DATA_REPLY.size)
+            )
+            answers.append((kind, _wire.STATUS_CODES[status], rid, recv(size)))
+
+    with connect(server.address, reply) as sock:
+        assert read_frame(sock)[0] == _wire.DATA_OK
+        reader = threading.Thread(target=read_slowly, args=(sock,))
+        reader.start()
+        for i, x in enumerate(pushes):
+            checksum = _wire.fingerprint(x) ^ (i in wrong)
+            sock.sendall(
+                request(key=30 + i, length=n, rid=100 + i, checksum=checksum)
+                + x.tobytes()
+            )
+            time.sleep(0.005)
+        reader.join(timeout=60)
+    assert not reader.is_alive()
+    assert [a[:3] for a in answers] == [
+        (_wire.DATA_ERROR, "INVALID_ARGUMENT", 100 + i)
+        if i in wrong
+        else (_wire.DATA_SUM, "OK", 100 + i)
+        for i in range(len(pushes))
+    ]
+    for i, answer in enumerate(answers):
+        if i in wrong:
+            assert b"checksum" in answer[3]
+        else:
+            np.testing.assert_array_equal(
+                np.frombuffer(answer[3], np.float32), pushes[i]
+            )
 
 
 def test_nonce_is_used_once_and_bound_to_its_rank(start_servers):

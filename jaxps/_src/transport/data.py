@@ -7,7 +7,8 @@ payload with one ``sendmsg`` straight from the source array (on TLS, one
 record for the head and the payload after it); a reader thread takes the
 server's answers: an acknowledgement (the push is accepted: credit goes
 back) and later the sum, received with one ``recv_into`` straight into the
-chunk's output array. A watchdog fails every request whose deadline passed
+chunk's output array (a sum that is ready at once comes alone, and gives
+the credit back itself). A watchdog fails every request whose deadline passed
 and shuts a connection down when it stopped answering, so nothing waits
 forever.
 
