@@ -93,12 +93,14 @@ def jaxps_job(
             )
             started.append(server)
             server.wait_for_line("jaxps-server listening", 60)
+        pids = ",".join(str(server.proc.pid) for server in started)
         ranks = [
             Child(
                 f"worker{rank}",
                 argv,
                 log_dir,
                 {
+                    SERVER_PIDS: pids,
                     "JAXPS_SERVERS": ",".join(f"{LOOPBACK}:{p}" for p in ports),
                     "JAXPS_NUM_WORKERS": str(workers),
                     "JAXPS_WORKER_RANK": str(rank),
@@ -109,6 +111,28 @@ def jaxps_job(
         ]
         started.extend(ranks)
         return [json.loads(r.wait_for_line("RESULT ", timeout)) for r in ranks]
+
+
+#: What `jaxps_job` tells its workers: the process ids of its servers.
+SERVER_PIDS = "BENCH_SERVER_PIDS"
+
+
+def servers_cpu() -> float:
+    """CPU seconds the servers of the `jaxps_job` this worker belongs to
+    have used so far, in their threads alive now (0.0 outside one).
+
+    The scheduler's nanoseconds (``/proc/PID/task/TID/schedstat``), not
+    the 10 ms ticks of ``/proc/PID/stat``: a call of a few ms needs them.
+    """
+    total = 0
+    for pid in filter(None, os.environ.get(SERVER_PIDS, "").split(",")):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                pass  # the thread ended
+    return total / 1e9
 
 
 def median(values: Sequence[float]) -> float:

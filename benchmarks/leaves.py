@@ -11,7 +11,9 @@ and outputs pays JAX's dispatch of them, with or without jaxps: the "jit
 alone" column times ``jax.jit`` of ``x * 1.5`` over the same tree, and
 "net" compares the calls without it, ``(t_L - jit_L) / (t_1 - jit_1)``.
 "rank CPU" is the CPU time of a rank's process (all its threads) per call,
-the mean of the two ranks: steadier than the times on a busy host::
+the mean of the two ranks: steadier than the times on a busy host;
+"servers CPU" that of both servers together (their time in the rows'
+"jit alone" calls is nil)::
 
     python benchmarks/leaves.py [--leaves 1,50,200] [--sizes-kib 256,16384]
 
@@ -75,6 +77,7 @@ def child(args) -> None:
                 jax.block_until_ready(f(tree))
                 jax.block_until_ready(alone(tree))
             times, floor, cpu = [], [], 0.0
+            servers = _common.servers_cpu()
             for _ in range(args.repeats):  # in turns: the same conditions
                 began, used = time.perf_counter(), time.process_time()
                 out = jax.block_until_ready(f(tree))
@@ -83,11 +86,13 @@ def child(args) -> None:
                 began = time.perf_counter()
                 jax.block_until_ready(alone(tree))
                 floor.append(time.perf_counter() - began)
+            servers = _common.servers_cpu() - servers
             assert float(out["w000"][0]) == 1.5, float(out["w000"][0])
             result[f"{kib},{leaves}"] = [
                 _common.median(times),
                 _common.median(floor),
                 cpu / args.repeats,
+                servers / args.repeats,
             ]
     print("RESULT " + json.dumps(result), flush=True)
     jaxps.shutdown()
@@ -134,6 +139,11 @@ def main(argv=None) -> int:
         key: sum(r[key][2] for r in results) / len(results)
         for key in results[0]
     }
+    # both servers together; each rank saw them over its own timed calls
+    servers = {
+        key: sum(r[key][3] for r in results) / len(results)
+        for key in results[0]
+    }
     rows = []
     for key, t in times.items():
         kib, leaves = key.split(",")
@@ -153,6 +163,7 @@ def main(argv=None) -> int:
                 if one and leaves != "1"
                 else "-",
                 f"{cpus[key] * 1e3:.1f}",
+                f"{servers[key] * 1e3:.1f}",
             ]
         )
     header = [
@@ -164,6 +175,7 @@ def main(argv=None) -> int:
         "net x 1 leaf",
         "ms/extra leaf",
         "rank CPU ms/call",
+        "servers CPU ms/call",
     ]
     print(_common.format_table(header, rows))
     print(
