@@ -26,11 +26,13 @@ once, windows, deadlines and error messages are those of the gRPC path.
 A chunk costs as few thread handoffs as the GIL allows, since on small
 partitions they, not the bytes, are the server's work: requests wait in
 one inbox and the loop is woken once for all that came in before it
-drains them (`DataChannel.submit`); a push whose round it completes is
-answered by the sum alone, without an acknowledgement first; and on plain
-TCP the loop sends an answer itself, with a non-blocking ``sendmsg``,
-while the writer has nothing queued, leaving the writer only what does
-not fit the socket's buffer (`_Connection._reply`).
+drains them (`DataChannel.submit`); a push from a slot whose round it
+completes is answered by the sum alone, which has no bytes to carry (a
+sum with bytes is acknowledged first: the worker's credit must not wait
+for them on a slow link); and on plain TCP the loop sends an answer
+itself, with a non-blocking ``sendmsg``, while the writer has nothing
+queued, leaving the writer only what does not fit the socket's buffer
+(`_Connection._reply`).
 """
 
 from __future__ import annotations
@@ -596,14 +598,19 @@ class _Connection:
             payload = None if slot is not None else memoryview(buf)
             target = await core.push(h, payload, checksum, slot)
             deadline = time.monotonic() + min(max(0.0, timeout), 3600.0)
-            # A sum ready at once acknowledges the push itself: the
-            # worker's credit comes back with it (one frame, not two).
+            ack = functools.partial(self._reply, (_ack(rid), None))
+            if slot is None:
+                # The credit comes back before the sum's bytes, which a
+                # slow link takes a while to carry.
+                ack()
+            # A sum in a slot has no bytes: ready at once, it is the
+            # acknowledgement itself (one frame, not two).
             total, contributors = await core.pull_counted(
                 h,
                 deadline=deadline,
                 raw=True,
                 into=None if slot is None else target,
-                on_wait=functools.partial(self._reply, (_ack(rid), None)),
+                on_wait=None if slot is None else ack,
             )
         except _wire.Rejected as err:
             self._reply(_error_frame(rid, err.code, err.message))

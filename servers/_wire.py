@@ -228,11 +228,11 @@ def _ends(parts, nbytes: int, tail: bool = False):
 # answers DATA_ACK once the push is accepted and DATA_SUM with the sum (and
 # the number of ranks it is over) once the round is complete, or DATA_ERROR
 # with a message at any point. A DATA_SUM or DATA_ERROR also acknowledges
-# the push: a push whose round it completed gets the DATA_SUM alone. A call
-# check (Header.signature) is a DATA_OP_CHECK request whose name is
-# `encode_check_name` of its signature, call name and description; a piece
-# that carries one (Header.check_key) is a DATA_OP_PUSH_PULL_CHECKED request
-# whose name is `encode_carrier_name`.
+# the push: a push from a slot whose round it completed may get the
+# DATA_SUM alone. A call check (Header.signature) is a DATA_OP_CHECK
+# request whose name is `encode_check_name` of its signature, call name and
+# description; a piece that carries one (Header.check_key) is a
+# DATA_OP_PUSH_PULL_CHECKED request whose name is `encode_carrier_name`.
 # A worker on the server's host may leave a push's payload in a slot of its
 # shared memory (attached over gRPC): the op then has DATA_OP_IN_SLOT set,
 # a DATA_SLOT (segment id, byte offset) follows the name instead of the

@@ -497,6 +497,47 @@ def test_slots_are_named_on_the_data_channel(start_servers, monkeypatch):
     assert grpc_calls[0] == 0
 
 
+class _Replies:
+    """`_wire.DATA_REPLY` that records the kind of every frame a worker
+    reads."""
+
+    def __init__(self, real):
+        self.real, self.size, self.kinds = real, real.size, []
+
+    def pack(self, *fields):
+        return self.real.pack(*fields)
+
+    def unpack(self, head):
+        fields = self.real.unpack(head)
+        self.kinds.append(fields[0])
+        return fields
+
+
+@pytest.mark.timeout(60)
+def test_a_sum_ready_at_once_in_a_slot_is_its_own_acknowledgement(
+    start_servers, monkeypatch
+):
+    # Rank 0's chunk waits for rank 1: acknowledged, then summed. Rank 1's
+    # completes the round: its sum, in its slot, has no bytes to wait for
+    # and is the only answer.
+    monkeypatch.setattr(shm, "SMALL_BYTES", 0)
+    replies = _Replies(_wire.DATA_REPLY)
+    monkeypatch.setattr(_wire, "DATA_REPLY", replies)
+    (server,) = start_servers(1, 2)
+    x = np.arange(PARTITION // 4, dtype=np.float32)
+    with two_workers(server, transport="auto") as rt:
+        del replies.kinds[:]
+        first = rt[0].push_pull_async(["w"], [x], average=False)
+        deadline = time.monotonic() + 10
+        while _wire.DATA_ACK not in replies.kinds:
+            assert time.monotonic() < deadline, replies.kinds
+            time.sleep(0.01)
+        second = rt[1].push_pull_async(["w"], [2 * x], average=False)
+        for handle in (first, second):
+            np.testing.assert_array_equal(handle.wait(20)[0], 3 * x)
+    assert sorted(replies.kinds) == [_wire.DATA_ACK, *[_wire.DATA_SUM] * 2]
+
+
 @pytest.mark.timeout(60)
 def test_a_slot_whose_data_channel_is_lost_goes_over_grpc_once(
     start_servers, monkeypatch

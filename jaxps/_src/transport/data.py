@@ -7,10 +7,10 @@ payload with one ``sendmsg`` straight from the source array (on TLS, one
 record for the head and the payload after it); a reader thread takes the
 server's answers: an acknowledgement (the push is accepted: credit goes
 back) and later the sum, received with one ``recv_into`` straight into the
-chunk's output array (a sum that is ready at once comes alone, and gives
-the credit back itself). A watchdog fails every request whose deadline passed
-and shuts a connection down when it stopped answering, so nothing waits
-forever.
+chunk's output array (a sum in a slot that is ready at once may come
+alone, and give the credit back itself). A watchdog fails every request
+whose deadline passed and shuts a connection down when it stopped
+answering, so nothing waits forever.
 
 `DataTransport` sends a server client's chunks on it. A data channel that
 cannot be reached (a firewall, a Service without the port) or that is lost
