@@ -486,7 +486,7 @@ class Store:
         if k.last is not None and k.last.number == round:
             rnd = k.last  # a PushPull retried after its round was freed
         else:
-            rnd = self._round(k, round, now)
+            rnd = self._round(k, round, now, pusher=rank)
         previous = rnd.pushed.get(rank)
         if previous is not None:
             if previous != checksum:
@@ -899,7 +899,9 @@ class Store:
 
     # -- rounds ------------------------------------------------------------
 
-    def _round(self, k: Key, number: int, now: float | None) -> Round:
+    def _round(
+        self, k: Key, number: int, now: float | None, pusher: int = -1
+    ) -> Round:
         rnd = k.rounds.get(number)
         if rnd is not None:
             return rnd
@@ -909,7 +911,9 @@ class Store:
                 f"round {number} of key {k.label} is from the past: "
                 f"rounds up to {k.done} are finished.",
             )
-        if number > k.done + self.round_window:
+        if number > k.done + self.round_window and not self._abandon(
+            k, number, pusher
+        ):
             raise StoreError(
                 "FAILED_PRECONDITION",
                 f"round {number} of key {k.label} is too far ahead: "
@@ -926,6 +930,43 @@ class Store:
         )
         k.rounds[number] = rnd
         return rnd
+
+    def _abandon(self, k: Key, number: int, pusher: int) -> bool:
+        """Fails the oldest live rounds of `k` that no rank can complete,
+        until a push of round `number` by rank `pusher` is within the
+        window; returns whether it is.
+
+        A round can be left so after a restart: the new server starts a key
+        at the round of its first push, and each rank pushes again its last
+        completed round, which is one round behind on some ranks. If a
+        lagging rank's re-push of round r comes first, the ranks that hold
+        round r + 1 never push r again, and r would block the window. It is
+        abandoned only if every rank it waits for has pushed a later round
+        (they hold its sum; a rank pushes in round order), and never while
+        it is complete: its sum is owed. Its waiters, if any, are told so.
+        """
+        while number > k.done + self.round_window:
+            oldest = k.rounds.get(k.done + 1)
+            if oldest is None or oldest.total is not None:
+                return False
+            missing = set(self._missing(oldest))
+            moved_on = {pusher}.union(
+                *(rnd.pushed for n, rnd in k.rounds.items() if n > k.done + 1)
+            )
+            if oldest.error is None and not missing <= moved_on:
+                return False
+            if oldest.fail(
+                StoreError(
+                    "ABORTED",
+                    f"round {oldest.number} of key {k.label} was abandoned: "
+                    f"rank(s) {sorted(missing)} pushed later rounds without "
+                    "it (after a server restart, each rank pushes its last "
+                    "completed round again).",
+                )
+            ):
+                self._wake(oldest)
+            k.done = oldest.number
+        return True
 
     def _accumulator(self, k: Key, number: int) -> np.ndarray:
         """A reused accumulator for round `number` of `k`.

@@ -204,6 +204,38 @@ def test_rounds_from_the_past_and_too_far_ahead():
     assert e.value.code == "FAILED_PRECONDITION"
 
 
+def test_a_round_only_a_lagging_rank_pushed_again_is_abandoned():
+    # After a restart: rank 1's last completed round was 16 and its re-push
+    # came first, so the key starts at 16; rank 0 completed 17 and pushes
+    # only 17 again (no pull). Rank 0 never pushes 16: its next push, round
+    # 18, abandons 16 instead of being refused as too far ahead.
+    store = Store(2)
+    x = np.ones(3, np.float32)
+    push(store, 1, 16, 1, 5 * x)  # rank 1's re-push
+    push(store, 1, 17, 0, x)  # rank 0's re-push
+    push(store, 1, 17, 1, x)  # rank 1's push_pull of the round it lost
+    np.testing.assert_array_equal(pull(store, 1, 17, 1, x), 2 * x)
+    push(store, 1, 18, 0, 3 * x)
+    with pytest.raises(StoreError, match="abandoned") as e:
+        pull(store, 1, 16, 1, x)
+    assert e.value.code == "ABORTED" and "rank(s) [0]" in e.value.message
+    push(store, 1, 18, 1, 4 * x)
+    for rank in range(2):
+        np.testing.assert_array_equal(pull(store, 1, 18, rank, x), 7 * x)
+    # a round that a rank still owes is not abandoned: still too far ahead
+    push(store, 2, 0, 0, x)
+    push(store, 2, 1, 0, x)
+    with pytest.raises(StoreError, match="too far ahead"):
+        push(store, 2, 2, 0, x)
+    # nor a complete one whose sum the ranks have not pulled yet
+    push(store, 3, 0, 0, x)
+    push(store, 3, 0, 1, x)
+    push(store, 3, 1, 1, x)
+    with pytest.raises(StoreError, match="too far ahead"):
+        push(store, 3, 2, 1, x)
+    np.testing.assert_array_equal(pull(store, 3, 0, 0, x), 2 * x)
+
+
 def test_consecutive_rounds_overlap_by_one():
     store = Store(2)
     x = np.ones(2, np.float32)

@@ -16,7 +16,9 @@ that already have it push their payload again too, so that the round can
 complete, and do not pull it. The new server starts each key at the round
 of its first push; exactly-once dedupe makes every repeat harmless, and a
 re-push that the new server refuses (its key already started later) is
-dropped, since no rank waits for that round.
+dropped, since no rank waits for that round. A lagging rank's re-push that
+came first, of a round the others hold and never push again, is abandoned
+by the server once they push past it.
 
 The cost: each key's last payload to the server is kept (one copy of the
 gradients per worker, refreshed in place every round).
