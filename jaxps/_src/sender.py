@@ -70,7 +70,13 @@ class Sender:
         self.in_flight = 0
         self._blocked = 0  # sender threads waiting for a round
         self._cv = threading.Condition()
-        self._take = threading.Lock()
+        # One sender thread at a time, the taker, waits on the queue and
+        # takes credit, so credit is taken in priority order. It keeps the
+        # role through its send unless a chunk is queued meanwhile: a
+        # chunk then wakes one other thread (`put`), so a send that blocks
+        # holds nothing up, and one that does not costs no handoff.
+        self._taker = threading.Condition(threading.Lock())
+        self._taken = False  # a thread has the taker's role
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         # calls whose failure a server was told of: once is enough, since
         # another rank's call fails as soon as any of its rounds does
@@ -93,6 +99,21 @@ class Sender:
     def put(self, order: tuple, chunk: Chunk) -> None:
         """Queues `chunk`; the smallest `order` goes out first."""
         self._queue.put((*order, chunk))
+        with self._taker:
+            if not self._taken:  # the taker is sending: wake another
+                self._taker.notify()
+
+    def _take_role(self) -> None:
+        with self._taker:
+            while self._taken:
+                self._taker.wait()
+            self._taken = True
+
+    def _give_role(self) -> None:
+        with self._taker:
+            self._taken = False
+            if not self._queue.empty():
+                self._taker.notify()
 
     def acquire(self, nbytes: int, timeout: float, label: str) -> None:
         """Takes credit for `nbytes`, waiting at most `timeout` seconds."""
@@ -132,7 +153,8 @@ class Sender:
 
     def _send_loop(self) -> None:
         while True:
-            with self._take:  # credit is taken in priority order
+            self._take_role()
+            try:  # credit is taken in priority order
                 chunk = self._queue.get()[-1]
                 if chunk is _STOP:
                     return
@@ -149,6 +171,8 @@ class Sender:
                     except errors.JaxpsError as err:
                         chunk.handle.fail(err)
                         aborted = True
+            finally:
+                self._give_role()
             if aborted:  # its call failed: the other ranks hear it now
                 self._abort(chunk)
                 continue
@@ -178,7 +202,7 @@ class Sender:
         still waiting for a round (e.g. of a push_pull that failed) ends
         when its channel closes."""
         for _ in self.threads:
-            self._queue.put((float("inf"), 0, 0, _STOP))
+            self.put((float("inf"), 0, 0), _STOP)
         deadline = time.monotonic() + timeout
         for t in self.threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))
