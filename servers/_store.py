@@ -942,8 +942,9 @@ class Store:
         lagging rank's re-push of round r comes first, the ranks that hold
         round r + 1 never push r again, and r would block the window. It is
         abandoned only if every rank it waits for has pushed a later round
-        (they hold its sum; a rank pushes in round order), and never while
-        it is complete: its sum is owed. Its waiters, if any, are told so.
+        (they hold its sum; a rank pushes in round order), and never once
+        every rank pushed it: its sum is owed. Its waiters, if any, are
+        told so.
         """
         while number > k.done + self.round_window:
             oldest = k.rounds.get(k.done + 1)
@@ -953,8 +954,8 @@ class Store:
             moved_on = {pusher}.union(
                 *(rnd.pushed for n, rnd in k.rounds.items() if n > k.done + 1)
             )
-            if oldest.error is None and not missing <= moved_on:
-                return False
+            if oldest.error is None and not (missing and missing <= moved_on):
+                return False  # owed by a rank, or every rank's (summing)
             if oldest.fail(
                 StoreError(
                     "ABORTED",

@@ -227,6 +227,24 @@ def test_a_round_only_a_lagging_rank_pushed_again_is_abandoned():
     push(store, 2, 1, 0, x)
     with pytest.raises(StoreError, match="too far ahead"):
         push(store, 2, 2, 0, x)
+    # nor one every rank pushed, still being summed
+    push(store, 4, 0, 0, x)
+    summing = store.begin_push(
+        key=4,
+        round=0,
+        rank=1,
+        dtype_code=_wire.dtype_code(x.dtype),
+        length=x.size,
+        payload=x.tobytes(),
+        checksum=_wire.checksum(x.tobytes()),
+    )
+    push(store, 4, 1, 0, x)
+    push(store, 4, 1, 1, x)
+    with pytest.raises(StoreError, match="too far ahead"):
+        push(store, 4, 2, 0, x)
+    summing.run()
+    store.finish_push(summing)
+    np.testing.assert_array_equal(pull(store, 4, 0, 1, x), 2 * x)
     # nor a complete one whose sum the ranks have not pulled yet
     push(store, 3, 0, 0, x)
     push(store, 3, 0, 1, x)
