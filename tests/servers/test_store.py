@@ -8,10 +8,11 @@ import pytest
 from jaxps.servers import Store, StoreError, _kernels, _wire
 
 
-def push(store, key, rnd, rank, array, checksum=None, **check):
-    """Pushes `array` and sums it; `check`: the call check it carries."""
+def begin(store, key, rnd, rank, array, checksum=None, **check):
+    """Pushes `array`; returns its ticket, not summed yet (None: a repeat).
+    `check`: the call check it carries."""
     payload = array.tobytes()
-    ticket = store.begin_push(
+    return store.begin_push(
         key=key,
         round=rnd,
         rank=rank,
@@ -22,6 +23,11 @@ def push(store, key, rnd, rank, array, checksum=None, **check):
         name=f"t{key}",
         **check,
     )
+
+
+def push(store, key, rnd, rank, array, checksum=None, **check):
+    """Pushes `array` and sums it; `check`: the call check it carries."""
+    ticket = begin(store, key, rnd, rank, array, checksum, **check)
     if ticket is not None:
         ticket.run()
         store.finish_push(ticket)
@@ -229,15 +235,7 @@ def test_a_round_only_a_lagging_rank_pushed_again_is_abandoned():
         push(store, 2, 2, 0, x)
     # nor one every rank pushed, still being summed
     push(store, 4, 0, 0, x)
-    summing = store.begin_push(
-        key=4,
-        round=0,
-        rank=1,
-        dtype_code=_wire.dtype_code(x.dtype),
-        length=x.size,
-        payload=x.tobytes(),
-        checksum=_wire.checksum(x.tobytes()),
-    )
+    summing = begin(store, 4, 0, 1, x)
     push(store, 4, 1, 0, x)
     push(store, 4, 1, 1, x)
     with pytest.raises(StoreError, match="too far ahead"):
@@ -647,15 +645,7 @@ def test_join_completes_a_waiting_round_over_the_others(
     store = Store(3, deterministic=deterministic)
     x = np.arange(5, dtype=np.float32)
     push(store, 1, 0, 0, x)  # rank 0 pushed before it joined: it counts
-    ticket = store.begin_push(
-        key=1,
-        round=0,
-        rank=2,
-        dtype_code=_wire.dtype_code(x.dtype),
-        length=x.size,
-        payload=(10 * x).tobytes(),
-        checksum=_wire.checksum((10 * x).tobytes()),
-    )
+    ticket = begin(store, 1, 0, 2, 10 * x)
     if summed_before_join:
         ticket.run()
         store.finish_push(ticket)
