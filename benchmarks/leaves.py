@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -131,19 +132,19 @@ def main(argv=None) -> int:
     argv += ["--repeats", str(args.repeats)] + ["--host"] * args.host
     with tempfile.TemporaryDirectory(prefix="jaxps-leaves-") as tmp:
         results = _common.jaxps_job(argv, tmp, servers=2, env={"XLA_FLAGS": ""})
+
+    def over_ranks(column: int, combine) -> dict[str, float]:
+        return {
+            key: combine([r[key][column] for r in results])
+            for key in results[0]
+        }
+
     # a call's time is the slower rank's
-    times = {key: max(r[key][0] for r in results) for key in results[0]}
-    floors = {key: max(r[key][1] for r in results) for key in results[0]}
-    # CPU: all threads of a rank, the mean of both ranks (servers not counted)
-    cpus = {
-        key: sum(r[key][2] for r in results) / len(results)
-        for key in results[0]
-    }
-    # both servers together; each rank saw them over its own timed calls
-    servers = {
-        key: sum(r[key][3] for r in results) / len(results)
-        for key in results[0]
-    }
+    times, floors = over_ranks(0, max), over_ranks(1, max)
+    # CPU: all threads of a rank, the mean of both ranks (servers not
+    # counted); the servers' together, as each rank saw them over its calls
+    cpus = over_ranks(2, statistics.fmean)
+    servers = over_ranks(3, statistics.fmean)
     rows = []
     for key, t in times.items():
         kib, leaves = key.split(",")
